@@ -1,0 +1,33 @@
+#!/usr/bin/env python
+"""slime_hydra's one entry point: compose the Hydra config -> validate -> plan (dry_run=true) or run.
+
+    python launch.py                                   the embedded default (tiny model, GRPO, this CPU)
+    python launch.py model=qwen3_8b algo=dapo model.path=/ckpt/Qwen3-8B cluster=slurm_8xh100 dry_run=true
+    python launch.py recipes=qwen3_4b_grpo_8xh100      a shared experiment (recipes/)
+    python launch.py -m sweeps=kl_x_lr                 a sweep (sweeps/)
+    python launch.py --cfg job                         print the composed config and exit
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+os.environ.setdefault("SLIME_HYDRA_ROOT", ROOT)  # conf/config.yaml adds it to the search path: recipes/, sweeps/
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from slime_hydra.config import register_configs  # noqa: E402
+from slime_hydra.launch import launch, precheck_argv  # noqa: E402
+
+register_configs()
+
+
+@hydra.main(config_path="conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    launch(cfg)
+
+
+if __name__ == "__main__":
+    precheck_argv(sys.argv[1:])
+    main()

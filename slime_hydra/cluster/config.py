@@ -1,0 +1,42 @@
+"""Cluster group schema: where the job runs (local or SLURM) and how Ray is laid over it.
+
+The node count is never typed: it is derived from the GPUs the roles need and ``gpus_per_node``
+(config/derive.py). A site writes one ``conf/cluster/<site>.yaml`` with its partition, account and set-up lines.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class ClusterConfig:
+    scheduler: str = "local"
+    """local (this machine, Ray started by launch.py) | slurm (sbatch through submitit)."""
+    gpus_per_node: int = 0
+    """GPUs per node; 0 means a CPU-only machine (each role 'GPU' is then a CPU process)."""
+    cpus_per_node: Optional[int] = None
+    """CPUs given to Ray per node; null means what the machine (or the SLURM allocation) has."""
+    colocate: bool = False
+    """Training ranks and engines share the same GPUs (engines release memory while the trainer works)."""
+    partition: Optional[str] = None
+    """slurm: partition (sbatch --partition)."""
+    account: Optional[str] = None
+    """slurm: account (sbatch --account)."""
+    qos: Optional[str] = None
+    """slurm: quality of service (sbatch --qos)."""
+    constraint: Optional[str] = None
+    """slurm: node feature constraint (sbatch --constraint)."""
+    exclusive: bool = False
+    """slurm: whole nodes (sbatch --exclusive)."""
+    time_min: int = 60
+    """slurm: wall-clock limit in minutes."""
+    mem_gb: Optional[int] = None
+    """slurm: memory per node in GiB; null means the partition's default."""
+    sbatch_extra: List[str] = field(default_factory=list)
+    """slurm: extra '#SBATCH' option lines, verbatim (e.g. --reservation=rl)."""
+    setup: List[str] = field(default_factory=list)
+    """slurm: shell lines run before the job (module load, conda activate, container set-up)."""
+    ray_port: int = 6379
+    """Ray head GCS port (SLURM jobs add job_id % 1000 to avoid clashes between jobs on one node)."""
+    ray_wait_nodes_s: int = 300
+    """Seconds the driver waits for all nodes to join Ray before failing."""

@@ -1,0 +1,85 @@
+"""Values computed from the config, never written back into it (one source of truth per number).
+
+    samples_per_rollout = rollout.batch_prompts * rollout.n_samples_per_prompt
+                        = global_batch_samples * optimizer_steps_per_rollout
+    dp          = train.num_gpus / (tp * pp * cp)
+    rollout_gpus = rollout.num_gpus, or train.num_gpus when colocated
+    total_gpus  = max(train, rollout) when colocated, else train + rollout
+    nodes       = ceil(total_gpus / cluster.gpus_per_node)   (1 on a CPU-only machine)
+
+``derive`` assumes the counts are positive; config/rules.py checks that first and only then derives.
+"""
+
+import math
+from dataclasses import dataclass
+
+from slime_hydra.config.schema import SlimeConfig
+
+
+@dataclass(frozen=True)
+class Derived:
+    samples_per_rollout: int
+    """Samples one rollout step produces (prompts x samples per prompt)."""
+    global_batch_samples: int
+    """Samples per optimizer step (train.global_batch_samples, or derived)."""
+    optimizer_steps_per_rollout: int
+    """Optimizer steps per rollout batch (train.optimizer_steps_per_rollout, or derived)."""
+    dp: int
+    """Data-parallel size of the trainer."""
+    grad_accum_steps: int
+    """Micro-batches per optimizer step on one rank: global / (micro * dp)."""
+    train_gpus: int
+    """GPUs (CPU processes on a CPU machine) of the training ranks."""
+    rollout_gpus: int
+    """GPUs (CPU processes) of the engines."""
+    num_engines: int
+    """Rollout engines: rollout_gpus / gpus_per_engine."""
+    total_gpus: int
+    """GPUs the job needs."""
+    gpus_per_node: int
+    """GPUs per node used for placement (the cluster's; total_gpus on a CPU-only machine)."""
+    nodes: int
+    """Nodes the job needs."""
+    context_tokens: int
+    """Longest sequence: data.max_prompt_tokens + rollout.max_response_tokens."""
+
+
+def gpu_hours_for(derived: Derived, time_min: int) -> float:
+    """GPU-hours an allocation of derived.nodes x gpus_per_node reserves for time_min minutes."""
+    return derived.nodes * derived.gpus_per_node * time_min / 60.0
+
+
+def derive(cfg: SlimeConfig) -> Derived:
+    """Compute the derived values. Raises ZeroDivisionError/ValueError only on configs rules.py rejects first."""
+    samples = cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt
+    global_batch = cfg.train.global_batch_samples
+    steps = cfg.train.optimizer_steps_per_rollout
+    if global_batch is None and steps is None:
+        global_batch, steps = samples, 1
+    elif global_batch is None:
+        global_batch = samples // steps
+    elif steps is None:
+        steps = max(samples // global_batch, 1)
+
+    dp = cfg.train.num_gpus // cfg.train.model_parallel_size
+    train_gpus = cfg.train.num_gpus
+    if cfg.rollout.num_gpus is not None:
+        rollout_gpus = cfg.rollout.num_gpus
+    else:
+        rollout_gpus = train_gpus if cfg.cluster.colocate else 0
+    total = max(train_gpus, rollout_gpus) if cfg.cluster.colocate else train_gpus + rollout_gpus
+    per_node = cfg.cluster.gpus_per_node or total
+    return Derived(
+        samples_per_rollout=samples,
+        global_batch_samples=global_batch,
+        optimizer_steps_per_rollout=steps,
+        dp=dp,
+        grad_accum_steps=max(global_batch // (cfg.train.micro_batch_samples * max(dp, 1)), 1),
+        train_gpus=train_gpus,
+        rollout_gpus=rollout_gpus,
+        num_engines=rollout_gpus // cfg.rollout.gpus_per_engine,
+        total_gpus=total,
+        gpus_per_node=per_node,
+        nodes=1 if cfg.cluster.gpus_per_node == 0 else math.ceil(total / per_node),
+        context_tokens=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens,
+    )

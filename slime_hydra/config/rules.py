@@ -1,0 +1,332 @@
+"""Pre-flight validation: every cross-key rule, checked before anything starts, all problems reported at once.
+
+``validate(cfg)`` runs locally, in dry runs and before every sbatch. Each rule is a small function yielding
+``Problem``s that name the key(s) and the override that fixes it. Counts and choices are checked first; the
+arithmetic rules run only on a config whose counts are sane (they divide by them).
+"""
+
+from operator import attrgetter
+from typing import Callable, Iterator
+
+from slime_hydra.algo.config import GROUP_ESTIMATORS
+from slime_hydra.config.derive import Derived, derive
+from slime_hydra.config.errors import ConfigError, Problem, nearest
+from slime_hydra.config.passthrough import check_passthrough
+from slime_hydra.config.schema import SlimeConfig
+
+CHOICES = {
+    "algo.advantage_estimator": ("grpo", "reinforce_pp", "reinforce_pp_baseline", "gae"),
+    "algo.policy_loss": ("ppo_clip", "gspo", "cispo"),
+    "algo.kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
+    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
+    "data.on_bad_line": ("error", "skip"),
+    "model.family": ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "deepseek_v3"),
+    "rollout.backend": ("embedded", "sglang"),
+    "rollout.router_policy": ("round_robin", "cache_aware", "random", "power_of_two"),
+    "train.backend": ("fsdp", "megatron"),
+    "train.dtype": ("bf16", "fp32"),
+    "train.lr_decay_style": ("constant", "linear", "cosine"),
+    "train.weight_sync": ("auto", "tensor", "distributed", "disk"),
+    "cluster.scheduler": ("local", "slurm"),
+    "debug.mode": ("none", "rollout_only", "train_only"),
+    "mode": ("sync", "async"),
+}
+
+POSITIVE = (
+    "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_kv_heads",
+    "model.ffn_hidden_size", "model.vocab_size", "model.max_position_embeddings",
+    "data.max_prompt_tokens",
+    "rollout.batch_prompts", "rollout.n_samples_per_prompt", "rollout.max_response_tokens",
+    "rollout.gpus_per_engine", "rollout.max_concurrency_per_engine",
+    "reward.max_concurrency", "reward.timeout_s",
+    "train.num_gpus", "train.tp", "train.pp", "train.cp", "train.ep", "train.micro_batch_samples",
+    "train.lr", "train.weight_sync_bucket_mb",
+    "cluster.time_min", "cluster.ray_wait_nodes_s", "tracking.log_every_steps",
+    "num_steps", "sync_every_steps",
+)
+POSITIVE_OR_NULL = (
+    "model.head_dim", "rollout.num_gpus", "rollout.over_sampling_batch_prompts", "train.global_batch_samples",
+    "train.optimizer_steps_per_rollout", "train.max_tokens_per_gpu", "cluster.cpus_per_node", "cluster.mem_gb",
+)
+NON_NEGATIVE = (
+    "algo.eps_clip", "algo.kl_loss_coef", "algo.kl_coef", "algo.entropy_coef", "algo.overlong_buffer_tokens",
+    "data.row_start", "rollout.eval_every_steps", "reward.max_retries", "reward.backoff_s", "train.min_lr",
+    "train.lr_warmup_steps", "train.weight_decay", "train.clip_grad", "cluster.gpus_per_node", "max_staleness",
+    "save_every_steps",
+)
+
+
+def _get(cfg: SlimeConfig, key: str):
+    return attrgetter(key)(cfg)
+
+
+def check_counts(cfg: SlimeConfig) -> Iterator[Problem]:
+    for key in POSITIVE:
+        if _get(cfg, key) <= 0:
+            yield Problem((key,), f"must be positive, got {_get(cfg, key)}", f"set {key} to a value > 0")
+    for key in POSITIVE_OR_NULL:
+        value = _get(cfg, key)
+        if value is not None and value <= 0:
+            yield Problem((key,), f"must be positive or null, got {value}", f"set {key}=null or a value > 0")
+    for key in NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            yield Problem((key,), f"must be >= 0, got {_get(cfg, key)}", f"set {key} to 0 or more")
+    for i, ev in enumerate(cfg.data.eval):
+        if ev.n_samples_per_prompt <= 0:
+            yield Problem((f"data.eval.{i}.n_samples_per_prompt",), f"must be positive, got {ev.n_samples_per_prompt}")
+
+
+def check_choices(cfg: SlimeConfig) -> Iterator[Problem]:
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            hint = nearest(str(value), allowed)
+            fix = f"did you mean {key}={hint}?" if hint else f"choose one of: {', '.join(allowed)}"
+            yield Problem((key,), f"'{value}' is not one of {', '.join(allowed)}", fix)
+    if cfg.resume not in ("auto", "never") and not cfg.resume.strip():
+        yield Problem(("resume",), "is empty", "set resume=auto, resume=never or resume=<checkpoint dir>")
+
+
+def check_batch(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    t, r = cfg.train, cfg.rollout
+    gb, steps = t.global_batch_samples, t.optimizer_steps_per_rollout
+    prompts_x_n = f"rollout.batch_prompts({r.batch_prompts}) x rollout.n_samples_per_prompt({r.n_samples_per_prompt})"
+    if gb is not None and steps is not None and gb * steps != d.samples_per_rollout:
+        yield Problem(("train.global_batch_samples", "train.optimizer_steps_per_rollout", "rollout.batch_prompts"),
+                      f"{prompts_x_n} = {d.samples_per_rollout} samples per rollout, but global_batch_samples({gb}) x "
+                      f"optimizer_steps_per_rollout({steps}) = {gb * steps}",
+                      f"set train.optimizer_steps_per_rollout=null to derive it, or "
+                      f"train.global_batch_samples={d.samples_per_rollout // steps}")
+    elif gb is None and steps is not None and d.samples_per_rollout % steps:
+        yield Problem(("train.optimizer_steps_per_rollout",),
+                      f"{d.samples_per_rollout} samples per rollout do not split into {steps} equal optimizer steps",
+                      f"try train.optimizer_steps_per_rollout={_divisor_near(d.samples_per_rollout, steps)}")
+    elif d.samples_per_rollout % d.global_batch_samples or d.global_batch_samples > d.samples_per_rollout:
+        yield Problem(("train.global_batch_samples", "rollout.batch_prompts", "rollout.n_samples_per_prompt"),
+                      f"{prompts_x_n} = {d.samples_per_rollout} samples per rollout is not a multiple of "
+                      f"train.global_batch_samples={d.global_batch_samples}",
+                      f"try train.global_batch_samples={_divisor_near(d.samples_per_rollout, d.global_batch_samples)}")
+    per_step = t.micro_batch_samples * d.dp
+    if d.global_batch_samples % per_step:
+        yield Problem(("train.global_batch_samples", "train.micro_batch_samples", "train.num_gpus"),
+                      f"global_batch_samples={d.global_batch_samples} is not divisible by micro_batch_samples"
+                      f"({t.micro_batch_samples}) x dp({d.dp}) = {per_step}",
+                      f"try train.micro_batch_samples={_divisor_near(d.global_batch_samples // d.dp or 1, t.micro_batch_samples)}"
+                      if d.global_batch_samples % d.dp == 0 else
+                      f"make global_batch_samples a multiple of dp={d.dp}")
+    if r.over_sampling_batch_prompts is not None and r.over_sampling_batch_prompts < r.batch_prompts:
+        yield Problem(("rollout.over_sampling_batch_prompts", "rollout.batch_prompts"),
+                      f"over-sampling sends {r.over_sampling_batch_prompts} prompts but a step needs {r.batch_prompts}",
+                      f"set rollout.over_sampling_batch_prompts >= {r.batch_prompts} or null")
+
+
+def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    t, m = cfg.train, cfg.model
+    if t.num_gpus % t.model_parallel_size:
+        yield Problem(("train.num_gpus", "train.tp", "train.pp", "train.cp"),
+                      f"train.num_gpus={t.num_gpus} is not divisible by tp({t.tp}) x pp({t.pp}) x cp({t.cp}) = "
+                      f"{t.model_parallel_size}",
+                      f"set train.num_gpus to a multiple of {t.model_parallel_size}")
+    if t.backend == "fsdp" and t.model_parallel_size > 1:
+        yield Problem(("train.backend", "train.tp", "train.pp", "train.cp"),
+                      f"train=fsdp is data parallel only, but tp={t.tp} pp={t.pp} cp={t.cp}",
+                      "use train=megatron for model parallelism, or set train.tp=1 train.pp=1 train.cp=1")
+    if m.num_attention_heads % t.tp:
+        yield Problem(("train.tp", "model.num_attention_heads"),
+                      f"model.num_attention_heads={m.num_attention_heads} is not divisible by train.tp={t.tp}",
+                      f"choose train.tp among {_divisors(m.num_attention_heads)}")
+    if m.num_kv_heads % t.tp:
+        yield Problem(("train.tp", "model.num_kv_heads"),
+                      f"model.num_kv_heads={m.num_kv_heads} is not divisible by train.tp={t.tp}",
+                      f"choose train.tp among {_divisors(m.num_kv_heads)}")
+    if m.num_layers % t.pp:
+        yield Problem(("train.pp", "model.num_layers"),
+                      f"model.num_layers={m.num_layers} is not divisible by train.pp={t.pp}",
+                      f"choose train.pp among {_divisors(m.num_layers)}")
+    if t.ep > 1:
+        if not m.is_moe:
+            yield Problem(("train.ep",), f"expert parallelism (ep={t.ep}) needs a MoE model; {m.name} is dense",
+                          "set train.ep=1")
+        elif m.num_experts % t.ep or d.dp % t.ep:
+            yield Problem(("train.ep", "model.num_experts", "train.num_gpus"),
+                          f"train.ep={t.ep} must divide model.num_experts={m.num_experts} and dp={d.dp}",
+                          f"choose train.ep among the common divisors of {m.num_experts} and {d.dp}")
+    if cfg.model.num_attention_heads % cfg.model.num_kv_heads:
+        yield Problem(("model.num_attention_heads", "model.num_kv_heads"),
+                      f"num_attention_heads={m.num_attention_heads} is not a multiple of num_kv_heads={m.num_kv_heads}",
+                      "check the model option's numbers against its config.json")
+
+
+def check_rollout(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    r, m = cfg.rollout, cfg.model
+    if d.rollout_gpus == 0 and cfg.debug.mode != "train_only":
+        yield Problem(("rollout.num_gpus", "cluster.colocate"),
+                      "no GPUs for the engines: rollout.num_gpus is null and the roles are not colocated",
+                      "set rollout.num_gpus=N, or cluster.colocate=true to share the training GPUs")
+    elif d.rollout_gpus % r.gpus_per_engine:
+        yield Problem(("rollout.num_gpus", "rollout.gpus_per_engine"),
+                      f"rollout GPUs ({d.rollout_gpus}) are not divisible by rollout.gpus_per_engine={r.gpus_per_engine}",
+                      f"set rollout.num_gpus to a multiple of {r.gpus_per_engine}")
+    if m.num_attention_heads % r.gpus_per_engine:
+        yield Problem(("rollout.gpus_per_engine", "model.num_attention_heads"),
+                      f"engine TP (rollout.gpus_per_engine={r.gpus_per_engine}) does not divide "
+                      f"model.num_attention_heads={m.num_attention_heads}",
+                      f"choose rollout.gpus_per_engine among {_divisors(m.num_attention_heads)}")
+    if r.backend == "sglang" and cfg.cluster.gpus_per_node == 0:
+        yield Problem(("rollout.backend", "cluster.gpus_per_node"),
+                      "rollout=sglang needs GPUs but the cluster has cluster.gpus_per_node=0",
+                      "use rollout=embedded on a CPU machine, or a GPU cluster option (cluster=slurm_8xh100)")
+    if r.generate is not None and "." not in r.generate:
+        yield Problem(("rollout.generate",), f"'{r.generate}' is not a dotted path",
+                      "set rollout.generate=my_pkg.module.generate")
+
+
+def check_placement(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    c = cfg.cluster
+    if c.colocate and cfg.rollout.num_gpus is not None and cfg.rollout.num_gpus != cfg.train.num_gpus:
+        yield Problem(("cluster.colocate", "rollout.num_gpus", "train.num_gpus"),
+                      f"colocated roles share the same GPUs, but rollout.num_gpus={cfg.rollout.num_gpus} and "
+                      f"train.num_gpus={cfg.train.num_gpus}",
+                      "set rollout.num_gpus=null (it follows train.num_gpus) or cluster.colocate=false")
+    if c.gpus_per_node > 0:
+        if c.scheduler == "local" and d.total_gpus > c.gpus_per_node:
+            role_sum = "max(train, rollout)" if c.colocate else "train + rollout"
+            yield Problem(("train.num_gpus", "rollout.num_gpus", "cluster.gpus_per_node"),
+                          f"{role_sum} = {d.total_gpus} GPUs do not fit this machine's cluster.gpus_per_node="
+                          f"{c.gpus_per_node}",
+                          "reduce train.num_gpus / rollout.num_gpus, set cluster.colocate=true, or use a SLURM cluster")
+        if cfg.rollout.gpus_per_engine > c.gpus_per_node and cfg.rollout.gpus_per_engine % c.gpus_per_node:
+            yield Problem(("rollout.gpus_per_engine", "cluster.gpus_per_node"),
+                          f"an engine of {cfg.rollout.gpus_per_engine} GPUs cannot span whole nodes of "
+                          f"{c.gpus_per_node} GPUs",
+                          f"use a multiple or divisor of {c.gpus_per_node}")
+        if cfg.train.tp > c.gpus_per_node:
+            yield Problem(("train.tp", "cluster.gpus_per_node"),
+                          f"train.tp={cfg.train.tp} spans nodes of {c.gpus_per_node} GPUs (TP needs NVLink)",
+                          f"set train.tp <= {c.gpus_per_node} and use pp across nodes")
+    if cfg.mode == "async" and c.colocate:
+        yield Problem(("mode", "cluster.colocate"),
+                      "async mode overlaps generation and training, which colocated roles cannot do",
+                      "set cluster.colocate=false, or mode=sync")
+    sync = cfg.train.weight_sync
+    if sync == "tensor" and not c.colocate:
+        yield Problem(("train.weight_sync", "cluster.colocate"),
+                      "weight_sync=tensor hands tensors over on the same GPU and needs colocated roles",
+                      "set train.weight_sync=distributed (or auto), or cluster.colocate=true")
+    if sync == "distributed" and c.colocate:
+        yield Problem(("train.weight_sync", "cluster.colocate"),
+                      "weight_sync=distributed broadcasts between separate GPUs; colocated roles share theirs",
+                      "set train.weight_sync=tensor (or auto)")
+
+
+def check_lengths(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    limit = cfg.model.max_position_embeddings
+    if d.context_tokens > limit:
+        yield Problem(("data.max_prompt_tokens", "rollout.max_response_tokens", "model.max_position_embeddings"),
+                      f"prompt ({cfg.data.max_prompt_tokens}) + response ({cfg.rollout.max_response_tokens}) = "
+                      f"{d.context_tokens} tokens exceed {cfg.model.name}'s context of {limit}",
+                      f"lower rollout.max_response_tokens to {limit - cfg.data.max_prompt_tokens} or data.max_prompt_tokens"
+                      if cfg.data.max_prompt_tokens < limit else f"lower data.max_prompt_tokens below {limit}")
+    for i, ev in enumerate(cfg.data.eval):
+        if ev.max_response_tokens is not None and cfg.data.max_prompt_tokens + ev.max_response_tokens > limit:
+            yield Problem((f"data.eval.{i}.max_response_tokens", "model.max_position_embeddings"),
+                          f"eval '{ev.name}': prompt + {ev.max_response_tokens} response tokens exceed {limit}",
+                          f"lower data.eval.{i}.max_response_tokens")
+    if cfg.algo.overlong_buffer_tokens >= cfg.rollout.max_response_tokens:
+        yield Problem(("algo.overlong_buffer_tokens", "rollout.max_response_tokens"),
+                      f"the overlong buffer ({cfg.algo.overlong_buffer_tokens} tokens) must be shorter than "
+                      f"rollout.max_response_tokens={cfg.rollout.max_response_tokens}",
+                      f"set algo.overlong_buffer_tokens < {cfg.rollout.max_response_tokens} (or 0 to disable)")
+
+
+def check_algo(cfg: SlimeConfig) -> Iterator[Problem]:
+    a = cfg.algo
+    group_based = a.advantage_estimator in GROUP_ESTIMATORS or a.dynamic_filter is not None
+    if group_based and cfg.rollout.n_samples_per_prompt < 2:
+        why = f"advantage_estimator={a.advantage_estimator}" if a.advantage_estimator in GROUP_ESTIMATORS else (
+            f"dynamic_filter={a.dynamic_filter}")
+        yield Problem(("rollout.n_samples_per_prompt", "algo.advantage_estimator"),
+                      f"{why} compares samples of one prompt, so it needs rollout.n_samples_per_prompt > 1 "
+                      f"(got {cfg.rollout.n_samples_per_prompt})",
+                      "set rollout.n_samples_per_prompt=8 (or more)")
+    if a.kl_coef > 0 and a.kl_loss_coef > 0:
+        yield Problem(("algo.kl_coef", "algo.kl_loss_coef"),
+                      f"KL as reward shaping (kl_coef={a.kl_coef}) and as a loss term (kl_loss_coef={a.kl_loss_coef}) "
+                      "are mutually exclusive", "set one of them to 0")
+    if a.eps_clip_c is not None and a.eps_clip_c <= 1:
+        yield Problem(("algo.eps_clip_c",), f"the dual-clip bound must be > 1, got {a.eps_clip_c}",
+                      "set algo.eps_clip_c=3.0 or null")
+    if a.eps_clip_high is not None and a.eps_clip_high < 0:
+        yield Problem(("algo.eps_clip_high",), f"must be >= 0, got {a.eps_clip_high}", "set algo.eps_clip_high=0.28")
+    if a.tis_cap is not None and a.tis_cap < 1:
+        yield Problem(("algo.tis_cap",), f"the TIS cap must be >= 1, got {a.tis_cap}", "set algo.tis_cap=2.0 or null")
+    if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
+        yield Problem(("algo.gamma", "algo.lam"), f"gamma={a.gamma} and lam={a.lam} must lie in [0, 1]")
+    if a.policy_loss == "gspo" and a.loss_agg != "seq_mean_token_mean":
+        yield Problem(("algo.policy_loss", "algo.loss_agg"),
+                      f"GSPO's sequence-level ratio is defined with seq_mean_token_mean, got loss_agg={a.loss_agg}",
+                      "set algo.loss_agg=seq_mean_token_mean")
+    if a.dynamic_filter is not None and a.dynamic_filter != "nonzero_std" and "." not in a.dynamic_filter:
+        yield Problem(("algo.dynamic_filter",), f"'{a.dynamic_filter}' is neither nonzero_std nor a dotted path",
+                      "set algo.dynamic_filter=nonzero_std or my_pkg.filters.fn")
+
+
+def check_sources(cfg: SlimeConfig) -> Iterator[Problem]:
+    """Data, reward and debug settings that must name something."""
+    if cfg.data.path is None and cfg.data.task is None:
+        yield Problem(("data.path", "data.task"), "no prompts: both data.path and data.task are null",
+                      "set data.path=/path/train.jsonl or data=addition")
+    if cfg.data.path is not None and not cfg.data.path.endswith((".jsonl", ".parquet")):
+        yield Problem(("data.path",), f"'{cfg.data.path}' is neither .jsonl nor .parquet",
+                      "convert the dataset to JSONL or Parquet")
+    if cfg.data.row_end is not None and cfg.data.row_end <= cfg.data.row_start:
+        yield Problem(("data.row_start", "data.row_end"),
+                      f"row_end={cfg.data.row_end} must be after row_start={cfg.data.row_start}")
+    if cfg.model.path is None and cfg.model.name != "tiny":
+        yield Problem(("model.path",), f"model={cfg.model.name} needs its HF checkpoint directory",
+                      f"set model.path=/path/to/{cfg.model.name} (only model=tiny is built offline)")
+    rw = cfg.reward
+    if rw.name == "custom" and not (rw.target and "." in rw.target):
+        yield Problem(("reward.target",), f"reward=custom needs a dotted path, got {rw.target!r}",
+                      "set reward.target=my_pkg.rewards.score")
+    if rw.name == "remote" and not (rw.url or "").startswith(("http://", "https://")):
+        yield Problem(("reward.url",), f"reward=remote needs an http(s) URL, got {rw.url!r}",
+                      "set reward.url=http://host:port/score")
+    if cfg.debug.mode == "train_only" and not cfg.debug.rollout_path:
+        yield Problem(("debug.rollout_path",), "debug=train_only trains from saved rollouts",
+                      "set debug.rollout_path=<run_dir>/rollouts (written by debug=rollout_only)")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _divisor_near(n: int, target: int) -> int:
+    """The divisor of n closest to target (ties go to the smaller one)."""
+    return min(_divisors(n), key=lambda k: (abs(k - target), k))
+
+
+RULES: tuple[Callable[[SlimeConfig, Derived], Iterator[Problem]], ...] = (
+    check_batch, check_parallelism, check_rollout, check_placement, check_lengths,
+)
+
+
+def collect_problems(cfg: SlimeConfig) -> tuple[list[Problem], Derived | None]:
+    """Every problem of the config, and the derived values when the counts allow computing them."""
+    counts = list(check_counts(cfg))
+    problems = [*counts, *check_choices(cfg), *check_algo(cfg), *check_sources(cfg), *check_passthrough(cfg)]
+    if counts:  # the arithmetic rules divide by these counts
+        return problems, None
+    derived = derive(cfg)
+    for rule in RULES:
+        problems.extend(rule(cfg, derived))
+    return problems, derived
+
+
+def validate(cfg: SlimeConfig) -> Derived:
+    """Derived values of a valid config; raises ConfigError listing every problem otherwise."""
+    problems, derived = collect_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    assert derived is not None
+    return derived

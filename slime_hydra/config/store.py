@@ -1,0 +1,38 @@
+"""Registers every group's schema in Hydra's ConfigStore, in one place.
+
+Each YAML under ``conf/<group>/`` starts with ``defaults: [base_<group>, _self_]``, so its keys are typed and a
+misspelt key fails at composition. ``GROUP_SCHEMAS`` is also what config/keys.py walks to refuse unknown keys
+added with ``+``/``++`` and to suggest the nearest valid name.
+"""
+
+from hydra.core.config_store import ConfigStore
+
+from slime_hydra.algo.config import AlgoConfig
+from slime_hydra.cluster.config import ClusterConfig
+from slime_hydra.config.schema import DebugConfig, SlimeConfig
+from slime_hydra.data.config import DataConfig
+from slime_hydra.model.config import ModelConfig
+from slime_hydra.reward.config import RewardConfig
+from slime_hydra.rollout.config import RolloutConfig
+from slime_hydra.tracking.config import TrackingConfig
+from slime_hydra.train.config import TrainConfig
+
+GROUP_SCHEMAS = {
+    "model": ModelConfig,
+    "algo": AlgoConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "reward": RewardConfig,
+    "train": TrainConfig,
+    "cluster": ClusterConfig,
+    "tracking": TrackingConfig,
+    "debug": DebugConfig,
+}
+
+
+def register_configs() -> None:
+    """Store base_config (the root schema) and base_<group> for every group. Idempotent."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=SlimeConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)

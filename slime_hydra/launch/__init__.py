@@ -1,0 +1,69 @@
+"""What launch.py does with a composed config: check -> (dry run: print the plan) -> run dir -> run.
+
+    precheck_argv(argv)   nearest-name errors for mistyped override keys, before Hydra composes
+    launch(cfg)           the Hydra task function: validate, then plan or run; exit code 2 on a bad config
+"""
+
+import sys
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from slime_hydra.config import ConfigError, check_overrides, collect_problems, to_config
+from slime_hydra.config.files import check_files
+from slime_hydra.launch.plan import print_plan
+from slime_hydra.launch.run_dir import run_dir_for, write_provenance
+
+EXIT_BAD_CONFIG = 2
+
+
+def _fail(error: ConfigError) -> None:
+    print(f"slime_hydra: {error}", file=sys.stderr)
+    raise SystemExit(EXIT_BAD_CONFIG)
+
+
+def precheck_argv(argv: Sequence[str]) -> None:
+    """Refuse unknown keys among command-line overrides with the nearest valid name (exit 2)."""
+    from hydra._internal.utils import get_args_parser  # Hydra's own CLI parser, so flags parse exactly as hydra.main
+
+    args, _ = get_args_parser().parse_known_args(list(argv))
+    problems = check_overrides(args.overrides)
+    if problems:
+        _fail(ConfigError(problems))
+
+
+def _overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def launch(dict_cfg: DictConfig) -> None:
+    console = Console(soft_wrap=True)
+    try:
+        cfg = to_config(dict_cfg)
+    except ConfigError as error:
+        _fail(error)
+    problems, derived = collect_problems(cfg)
+    file_problems = list(check_files(cfg))
+    run_dir = run_dir_for(cfg)
+    if cfg.dry_run:
+        console.rule("Resolved config")
+        console.print(OmegaConf.to_yaml(dict_cfg, resolve=True), markup=False, highlight=False)
+    if cfg.dry_run:
+        for problem in file_problems:  # shared-storage paths may exist only where the job runs
+            print(f"slime_hydra: warning: {problem}", file=sys.stderr)
+    else:
+        problems += file_problems
+    if problems:
+        _fail(ConfigError(problems))
+    assert derived is not None
+    print_plan(cfg, derived, run_dir, console)
+    if cfg.dry_run:
+        console.print("dry run: config valid, nothing started.", markup=False)
+        return
+    write_provenance(run_dir, dict_cfg, _overrides())
+    # The RL loop and SLURM submission are open issues: a real run stops here, after validation and the plan.
+    console.print(f"config valid; provenance written to {run_dir}. The RL loop is not built yet, so nothing was "
+                  "trained or submitted (see README: What works today).", markup=False)

@@ -1,0 +1,77 @@
+"""The plan a run would execute, printed by dry_run=true: derived values, Ray placement, the sbatch script."""
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from slime_hydra.config.derive import Derived, gpu_hours_for
+from slime_hydra.config.schema import SlimeConfig
+
+
+def derived_table(cfg: SlimeConfig, d: Derived) -> Table:
+    unit = "GPUs" if cfg.cluster.gpus_per_node else "CPU processes"
+    t, r = cfg.train, cfg.rollout
+    table = Table(title="Derived values", show_lines=False)
+    table.add_column("value")
+    table.add_column("=", justify="right")
+    table.add_column("from")
+    rows = [
+        ("samples per rollout", d.samples_per_rollout,
+         f"rollout.batch_prompts({r.batch_prompts}) x rollout.n_samples_per_prompt({r.n_samples_per_prompt})"),
+        ("global batch (samples)", d.global_batch_samples,
+         "train.global_batch_samples" if t.global_batch_samples else "samples per rollout / optimizer steps"),
+        ("optimizer steps per rollout", d.optimizer_steps_per_rollout,
+         "train.optimizer_steps_per_rollout" if t.optimizer_steps_per_rollout else "samples per rollout / global batch"),
+        ("data-parallel size (dp)", d.dp, f"train.num_gpus({t.num_gpus}) / (tp {t.tp} x pp {t.pp} x cp {t.cp})"),
+        ("gradient accumulation", d.grad_accum_steps, f"global batch / (micro_batch_samples {t.micro_batch_samples} x dp)"),
+        (f"train {unit}", d.train_gpus, "train.num_gpus"),
+        (f"rollout {unit}", d.rollout_gpus, "rollout.num_gpus" + (" (colocated)" if cfg.cluster.colocate else "")),
+        ("engines", d.num_engines, f"rollout {unit} / rollout.gpus_per_engine({r.gpus_per_engine})"),
+        (f"total {unit}", d.total_gpus, "max(train, rollout)" if cfg.cluster.colocate else "train + rollout"),
+        ("nodes", d.nodes, f"ceil(total / cluster.gpus_per_node={cfg.cluster.gpus_per_node})"
+         if cfg.cluster.gpus_per_node else "this machine"),
+        ("context (tokens)", d.context_tokens, "data.max_prompt_tokens + rollout.max_response_tokens"),
+    ]
+    if cfg.cluster.scheduler == "slurm":
+        rows.append(("GPU-hours reserved", f"{gpu_hours_for(d, cfg.cluster.time_min):.1f}",
+                     f"nodes x gpus_per_node x cluster.time_min({cfg.cluster.time_min}) / 60"))
+    for name, value, source in rows:
+        table.add_row(name, str(value), source)
+    return table
+
+
+def placement_lines(cfg: SlimeConfig, d: Derived) -> list[str]:
+    """Ray placement groups: one bundle per GPU (per CPU process on a CPU-only machine)."""
+    gpu = cfg.cluster.gpus_per_node > 0
+    bundle = "{GPU: 1, CPU: 1}" if gpu else "{CPU: 1}"
+    mode = "colocated (engines and trainer share bundles)" if cfg.cluster.colocate else "disaggregated"
+    sync = cfg.train.weight_sync
+    if sync == "auto":
+        sync = "tensor" if cfg.cluster.colocate else "distributed"
+    lines = [
+        f"Ray on {d.nodes} node(s), {mode}, {cfg.mode} mode, weight sync: {sync}",
+        f"  placement group 'train': {d.train_gpus} x {bundle} -> {d.train_gpus} {cfg.train.backend} rank actor(s), "
+        f"dp={d.dp} tp={cfg.train.tp} pp={cfg.train.pp} cp={cfg.train.cp}",
+    ]
+    if cfg.debug.mode != "train_only":
+        where = "the 'train' bundles" if cfg.cluster.colocate else f"placement group 'rollout': {d.rollout_gpus} x {bundle}"
+        lines.append(f"  {where} -> {d.num_engines} {cfg.rollout.backend} engine(s) of "
+                     f"{cfg.rollout.gpus_per_engine}, behind sglang-router ({cfg.rollout.router_policy})")
+        lines.append("  rollout manager actor: data source, buffer, reward "
+                     f"'{cfg.reward.name}', router; {cfg.num_steps} rollout steps")
+    return lines
+
+
+def print_plan(cfg: SlimeConfig, d: Derived, run_dir: Path, console: Console) -> None:
+    console.print(derived_table(cfg, d))
+    console.rule("Plan")
+    for line in placement_lines(cfg, d):
+        console.print(line, markup=False, highlight=False)
+    console.print(f"  run directory: {run_dir}", markup=False, highlight=False)
+    if cfg.cluster.scheduler == "slurm":
+        from slime_hydra.launch.slurm import render_sbatch
+
+        console.rule("sbatch script (not submitted)")
+        script = render_sbatch(cfg.cluster, d, run_dir.name, run_dir / "slurm")
+        console.print(script, markup=False, highlight=False)

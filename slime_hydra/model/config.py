@@ -1,0 +1,55 @@
+"""Model group schema: the architecture facts validation needs, and where the weights live.
+
+Every model option under ``conf/model/`` carries its real architecture numbers (from the model's HF
+``config.json``), so a login node with no download can check parallelism against heads, layers and context.
+``path`` is the user's HF checkpoint directory; when it is set and exists, its ``config.json`` is compared against
+these numbers before anything starts (a mismatch means the wrong option was chosen).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """Short name used in run names and logs (the conf/model option name)."""
+    family: str = "qwen2"
+    """Architecture family: qwen2 | qwen3 | qwen3_moe | llama | glm4 | deepseek_v3 (selects the HF<->Megatron mapping)."""
+    path: Optional[str] = None
+    """HF checkpoint directory (config.json, tokenizer, safetensors); null builds the tiny model offline (tiny only)."""
+    num_layers: int = 4
+    """Transformer layers."""
+    hidden_size: int = 128
+    """Residual stream width (d_model)."""
+    num_attention_heads: int = 4
+    """Query heads per layer."""
+    num_kv_heads: int = 2
+    """Key/value heads per layer (GQA); equal to num_attention_heads for MHA."""
+    head_dim: Optional[int] = None
+    """Per-head width; null means hidden_size / num_attention_heads."""
+    ffn_hidden_size: int = 384
+    """Dense MLP intermediate width (for MoE models: the dense layers' width)."""
+    vocab_size: int = 128
+    """Embedding rows (the padded vocabulary of the checkpoint)."""
+    max_position_embeddings: int = 256
+    """Context length in tokens the model was trained for (prompt + response must fit)."""
+    tie_word_embeddings: bool = True
+    """Output projection shares the input embedding matrix."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for dense models."""
+    moe_top_k: int = 0
+    """Experts activated per token; 0 for dense models."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Intermediate width of one routed expert; null for dense models."""
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head width actually used (head_dim, or hidden_size / num_attention_heads)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0

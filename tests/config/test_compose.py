@@ -1,0 +1,117 @@
+"""Every group option and every recipe composes and validates; derived values follow their formulas."""
+
+import pytest
+import yaml
+
+from slime_hydra.config import PROJECT_ROOT
+from slime_hydra.config.store import GROUP_SCHEMAS
+from tests.config.helpers import load
+
+CONF = PROJECT_ROOT / "conf"
+
+# The minimal deltas that make an option valid on top of the embedded default (named for each option that
+# needs more than itself: a model other than tiny needs its checkpoint directory, and so on).
+REAL_MODEL = ("model=qwen2_5_0_5b", "model.path=/ckpt/qwen2_5_0_5b", "rollout.max_response_tokens=1024")
+NEEDS = {
+    ("model", "*"): ("model.path=/ckpt/dir",),
+    ("algo", "*"): REAL_MODEL,
+    ("data", "*"): REAL_MODEL,
+    ("data", "jsonl"): ("data.path=/data/train.jsonl",),
+    ("reward", "remote"): ("reward.url=http://127.0.0.1:8000/score",),
+    ("reward", "custom"): ("reward.target=my_pkg.rewards.score",),
+    ("rollout", "sglang"): ("cluster.gpus_per_node=8",),
+    ("debug", "train_only"): ("debug.rollout_path=/runs/x/rollouts",),
+}
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+ALL_OPTIONS = [(g, o) for g in GROUP_SCHEMAS for o in _options(g)]
+
+
+def test_every_group_has_options_and_a_schema_default():
+    assert {g for g, _ in ALL_OPTIONS} == set(GROUP_SCHEMAS)
+    for group, option in ALL_OPTIONS:
+        first = (CONF / group / f"{option}.yaml").read_text()
+        assert f"defaults: [base_{group}, _self_]" in first, f"conf/{group}/{option}.yaml must start from the schema"
+
+
+@pytest.mark.parametrize("group,option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
+def test_option_composes_and_validates(group, option):
+    extra = () if (group, option) == ("model", "tiny") else (
+        NEEDS.get((group, "*"), ()) + NEEDS.get((group, option), ()))
+    cfg, derived = load(f"{group}={option}", *extra)
+    if group == "model":
+        assert cfg.model.name == option
+    if group == "algo":
+        assert cfg.algo.name == option
+    assert derived.samples_per_rollout == cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt
+
+
+RECIPES = sorted(p.stem for p in (PROJECT_ROOT / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_composes_validates_and_documents_itself(recipe):
+    text = (PROJECT_ROOT / "recipes" / f"{recipe}.yaml").read_text()
+    assert text.startswith("# @package _global_\n")
+    assert f"python launch.py recipes={recipe}" in text, "the header gives the exact command"
+    assert "# Hardware:" in text and "# Expect:" in text, "the header gives the hardware and the result to expect"
+    cfg, derived = load(f"recipes={recipe}")
+    assert derived.global_batch_samples * derived.optimizer_steps_per_rollout == derived.samples_per_rollout
+
+
+def test_recipe_families_cover_every_model_family():
+    families = {load(f"recipes={r}")[0].model.family for r in RECIPES}
+    assert {"qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "deepseek_v3"} <= families
+
+
+def test_embedded_default_values_and_tiny_tuning():
+    cfg, d = load()
+    assert (cfg.model.name, cfg.algo.name, cfg.rollout.backend, cfg.train.backend) == ("tiny", "grpo", "embedded", "fsdp")
+    assert cfg.train.lr == 1e-4 and cfg.train.dtype == "fp32"  # conf/tuning/tiny.yaml applies for model=tiny ...
+    big, _ = load("model=qwen3_8b", "model.path=/ckpt")
+    assert big.train.lr == 1e-6 and big.train.dtype == "bf16"  # ... and only for it
+    assert (d.samples_per_rollout, d.global_batch_samples, d.optimizer_steps_per_rollout) == (256, 256, 1)
+    assert (d.dp, d.grad_accum_steps, d.total_gpus, d.nodes) == (1, 4, 2, 1)
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        # (global, steps) derived from whichever is set: 32 x 8 = 256 samples per rollout
+        (("train.global_batch_samples=64",), (64, 4)),
+        (("train.optimizer_steps_per_rollout=2",), (128, 2)),
+        (("train.global_batch_samples=128", "train.optimizer_steps_per_rollout=2"), (128, 2)),
+        (("rollout.batch_prompts=16", "rollout.n_samples_per_prompt=4"), (64, 1)),
+    ],
+)
+def test_batch_derivation(overrides, expected):
+    _, d = load(*overrides)
+    assert (d.global_batch_samples, d.optimizer_steps_per_rollout) == expected
+
+
+def test_nodes_are_derived_from_gpus():
+    # 16 train + 8 rollout GPUs on 8-GPU nodes = 3 nodes; colocated 16 GPUs = 2 nodes.
+    base = ("model=qwen3_8b", "model.path=/c", "cluster=slurm_8xh100", "train=megatron", "train.num_gpus=16",
+            "train.tp=4", "rollout.gpus_per_engine=2")
+    _, d = load(*base, "rollout.num_gpus=8")
+    assert (d.dp, d.total_gpus, d.nodes, d.num_engines) == (4, 24, 3, 4)
+    _, d = load(*base, "cluster.colocate=true", "rollout.num_gpus=null")
+    assert (d.rollout_gpus, d.total_gpus, d.nodes, d.num_engines) == (16, 16, 2, 8)
+
+
+def test_sweeps_are_sweeper_params_over_real_keys():
+    from slime_hydra.config.keys import check_key
+
+    sweeps = sorted((PROJECT_ROOT / "sweeps").glob("*.yaml"))
+    assert len(sweeps) >= 2
+    for path in sweeps:
+        cfg = load(f"sweeps={path.stem}")[0]  # composes on top of the default
+        params = yaml.safe_load(path.read_text())["hydra"]["sweeper"]["params"]
+        assert params, path
+        for key in params:
+            assert check_key(key) is None, f"{path.name}: {key} is not a config key"
+        assert cfg.num_steps > 0

@@ -1,0 +1,134 @@
+"""Configs that must fail do fail, before anything starts, with an error naming the right key and a fix."""
+
+import pytest
+
+from slime_hydra.config import ConfigError
+from tests.config.helpers import problems
+
+BIG = ("model=qwen3_8b", "model.path=/ckpt/qwen3_8b")  # heads 32, kv 8, layers 36, context 40960
+GPU8 = ("cluster.gpus_per_node=8",)
+
+# (overrides, a key the error must name, a fragment of its message or fix)
+INVALID = [
+    # batch arithmetic
+    (("train.global_batch_samples=100",), "train.global_batch_samples", "not a multiple"),
+    (("train.global_batch_samples=128", "train.optimizer_steps_per_rollout=4"), "train.optimizer_steps_per_rollout",
+     "= 512"),
+    (("train.optimizer_steps_per_rollout=3",), "train.optimizer_steps_per_rollout", "3 equal optimizer steps"),
+    (("train.global_batch_samples=512",), "train.global_batch_samples", "not a multiple"),
+    (("train.micro_batch_samples=3",), "train.micro_batch_samples", "divisible by micro_batch_samples(3)"),
+    (("train.num_gpus=3", "train.micro_batch_samples=1", "train.global_batch_samples=128"),
+     "train.global_batch_samples", "dp(3)"),
+    (("rollout.over_sampling_batch_prompts=16",), "rollout.over_sampling_batch_prompts", ">= 32"),
+    # parallelism
+    ((*BIG, "train=megatron", "train.num_gpus=6", "train.tp=4"), "train.num_gpus", "multiple of 4"),
+    ((*BIG, "train=megatron", "train.num_gpus=3", "train.tp=3", "train.micro_batch_samples=1"),
+     "model.num_attention_heads", "choose train.tp among"),
+    ((*BIG, "train=megatron", "train.num_gpus=16", "train.tp=16", "cluster.gpus_per_node=16",
+      "train.micro_batch_samples=1"), "model.num_kv_heads", "[1, 2, 4, 8]"),
+    ((*BIG, "train=megatron", "train.num_gpus=8", "train.pp=8", "train.micro_batch_samples=1"), "train.pp",
+     "not divisible by train.pp=8"),
+    ((*BIG, "train.num_gpus=2", "train.tp=2"), "train.backend", "use train=megatron"),
+    ((*BIG, "train=megatron", "train.ep=2", "train.num_gpus=2", "train.micro_batch_samples=1"), "train.ep",
+     "needs a MoE model"),
+    ((*BIG, "train=megatron", "train.num_gpus=16", "train.tp=16", "train.micro_batch_samples=1", *GPU8,
+      "cluster=slurm"), "train.tp", "spans nodes"),
+    # rollout engines
+    ((*BIG, "rollout.num_gpus=3", "rollout.gpus_per_engine=2"), "rollout.gpus_per_engine", "multiple of 2"),
+    ((*BIG, "rollout.num_gpus=3", "rollout.gpus_per_engine=3"), "rollout.gpus_per_engine", "does not divide"),
+    (("rollout=sglang",), "cluster.gpus_per_node", "use rollout=embedded"),
+    (("rollout.num_gpus=null",), "rollout.num_gpus", "cluster.colocate=true"),
+    (("rollout.generate=mygenerate",), "rollout.generate", "dotted path"),
+    # placement
+    (("cluster.colocate=true", "rollout.num_gpus=2"), "cluster.colocate", "share the same GPUs"),
+    ((*BIG, *GPU8, "train.num_gpus=6", "rollout.num_gpus=4", "train.micro_batch_samples=1"), "cluster.gpus_per_node",
+     "do not fit"),
+    (("mode=async", "cluster.colocate=true", "rollout.num_gpus=null"), "mode", "cannot do"),
+    (("train.weight_sync=tensor",), "train.weight_sync", "needs colocated"),
+    (("train.weight_sync=distributed", "cluster.colocate=true", "rollout.num_gpus=null"), "train.weight_sync",
+     "share theirs"),
+    # lengths
+    (("rollout.max_response_tokens=512",), "rollout.max_response_tokens", "exceed tiny's context of 256"),
+    ((*BIG, "data.max_prompt_tokens=40000", "rollout.max_response_tokens=4096"), "data.max_prompt_tokens",
+     "exceed qwen3_8b's context"),
+    (("algo=dapo",), "algo.overlong_buffer_tokens", "shorter than"),
+    # algorithm
+    (("rollout.n_samples_per_prompt=1",), "rollout.n_samples_per_prompt", "needs rollout.n_samples_per_prompt > 1"),
+    (("algo=reinforce_pp_baseline", "rollout.n_samples_per_prompt=1"), "rollout.n_samples_per_prompt", "> 1"),
+    (("algo.kl_coef=0.01",), "algo.kl_loss_coef", "mutually exclusive"),
+    (("algo.eps_clip_c=0.5",), "algo.eps_clip_c", "must be > 1"),
+    (("algo.tis_cap=0.5",), "algo.tis_cap", ">= 1"),
+    (("algo.policy_loss=gspo",), "algo.loss_agg", "seq_mean_token_mean"),
+    (("algo.dynamic_filter=allsame",), "algo.dynamic_filter", "nonzero_std"),
+    (("algo.gamma=1.5",), "algo.gamma", "[0, 1]"),
+    # choices, with the nearest valid name
+    (("algo.advantage_estimator=grop",), "algo.advantage_estimator", "did you mean algo.advantage_estimator=grpo"),
+    (("algo.loss_agg=token_means",), "algo.loss_agg", "token_mean"),
+    (("train.weight_sync=nccl",), "train.weight_sync", "choose one of"),
+    (("mode=asynchronous",), "mode", "async"),
+    # counts
+    (("rollout.batch_prompts=0",), "rollout.batch_prompts", "must be positive"),
+    (("train.num_gpus=-1",), "train.num_gpus", "must be positive"),
+    (("train.global_batch_samples=0",), "train.global_batch_samples", "positive or null"),
+    (("num_steps=0",), "num_steps", "must be positive"),
+    (("save_every_steps=-5",), "save_every_steps", ">= 0"),
+    # sources and required values
+    (("data.task=null",), "data.path", "both data.path and data.task are null"),
+    (("data.path=/data/train.csv",), "data.path", "JSONL or Parquet"),
+    (("model=glm4_9b",), "model.path", "HF checkpoint directory"),
+    (("reward=remote",), "reward.url", "needs an http(s) URL"),
+    (("reward=custom", "reward.target=score"), "reward.target", "dotted path"),
+    (("debug=train_only",), "debug.rollout_path", "trains from saved rollouts"),
+    (("data.row_start=10", "data.row_end=5"), "data.row_end", "after row_start"),
+    # unknown keys: typos, and keys added with + / ++ under our groups
+    (("rollout.temprature=0.7",), "rollout.temprature", "did you mean 'rollout.temperature'"),
+    (("+rollout.temprature=0.7",), "rollout.temprature", "did you mean 'rollout.temperature'"),
+    (("++train.learning_rate=1e-5",), "train.learning_rate", "unknown key"),
+    (("+algo.kl_los_coef=0.1",), "algo.kl_los_coef", "did you mean 'algo.kl_loss_coef'"),
+    (("+num_step=5",), "num_step", "did you mean 'num_steps'"),
+    (("data.eval.0.temprature=1.0",), "data.eval.0.temprature", "did you mean 'data.eval.0.temperature'"),
+    # passthrough options: unknown names and options the platform owns
+    (("rollout=sglang", *GPU8, "+rollout.sglang.mem_fraction_statc=0.5"), "rollout.sglang.mem_fraction_statc",
+     "did you mean rollout.sglang.mem_fraction_static"),
+    (("rollout=sglang", *GPU8, "+rollout.sglang.tp_size=2"), "rollout.sglang.tp_size", "rollout.gpus_per_engine"),
+    (("rollout=sglang", *GPU8, "+rollout.sglang.model_path=/x"), "rollout.sglang.model_path", "use model.path"),
+    (("train=megatron", "+train.megatron.recompute_granularty=full"), "train.megatron.recompute_granularty",
+     "did you mean train.megatron.recompute_granularity"),
+    (("train=megatron", "+train.megatron.tensor_model_parallel_size=2"), "train.megatron.tensor_model_parallel_size",
+     "use train.tp"),
+    (("train=megatron", "+train.megatron.micro_batch_size=2"), "train.megatron.micro_batch_size",
+     "train.micro_batch_samples"),
+    (("+train.megatron.recompute_granularity=full",), "train.megatron", "use train=megatron"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", INVALID, ids=[" ".join(o) for o, _, _ in INVALID])
+def test_invalid_config_names_key_and_fix(overrides, key, fragment):
+    error = problems(*overrides)
+    matching = [p for p in error.problems if key in p.keys]
+    assert matching, f"no problem names {key}:\n{error}"
+    assert any(fragment in f"{p.message}; {p.fix}" for p in matching), f"'{fragment}' not in:\n{error}"
+
+
+def test_table_is_large():
+    assert len(INVALID) >= 30
+
+
+def test_all_problems_reported_at_once():
+    error = problems("rollout.n_samples_per_prompt=1", "algo.kl_coef=0.1", "train.micro_batch_samples=3",
+                     "rollout.max_response_tokens=500", "algo.eps_clip_c=0.9")
+    named = {k for p in error.problems for k in p.keys}
+    assert {"rollout.n_samples_per_prompt", "algo.kl_coef", "train.micro_batch_samples",
+            "rollout.max_response_tokens", "algo.eps_clip_c"} <= named
+    assert str(error).startswith(f"{len(error.problems)} config problems:")
+
+
+def test_group_option_typo_fails_at_composition():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match="qwen3_9b"):
+        problems("model=qwen3_9b")
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)

@@ -1,0 +1,98 @@
+"""launch.py end to end, as a user runs it: dry runs, --cfg, exit codes, run-directory provenance, sweeps."""
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+from slime_hydra.config import PROJECT_ROOT
+
+
+def launch(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PROJECT_ROOT / "launch.py"), *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def test_dry_run_prints_config_derived_values_and_plan_and_starts_nothing(tmp_path):
+    out = launch("dry_run=true", f"output_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    for expected in ("Resolved config", "samples per rollout", "256", "placement group 'train'",
+                     "placement group 'rollout'", "dry run: config valid, nothing started."):
+        assert expected in out.stdout
+    assert list(tmp_path.iterdir()) == []  # no run directory
+
+
+def test_cfg_job_prints_the_composed_config():
+    out = launch("--cfg", "job", "algo=dr_grpo")
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["algo"]["name"] == "dr_grpo" and cfg["algo"]["std_normalization"] is False
+    assert cfg["model"]["name"] == "tiny"
+
+
+def test_typo_exits_2_with_nearest_name_before_composition():
+    out = launch("rollout.temprature=0.7")
+    assert out.returncode == 2
+    assert "did you mean 'rollout.temperature'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_invalid_config_exits_2_listing_every_problem(tmp_path):
+    out = launch("rollout.n_samples_per_prompt=1", "algo.kl_coef=0.1", f"output_dir={tmp_path}")
+    assert out.returncode == 2
+    assert "3 config problems" in out.stderr  # n=1 also leaves 32 samples for a 64-sample micro-batch
+    assert "rollout.n_samples_per_prompt" in out.stderr and "mutually exclusive" in out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_real_run_writes_provenance(tmp_path):
+    out = launch(f"output_dir={tmp_path}", "run_name=r1", "train.lr=3e-5")
+    assert out.returncode == 0, out.stderr
+    run = tmp_path / "r1"
+    resolved = yaml.safe_load((run / "resolved.yaml").read_text())
+    assert resolved["train"]["lr"] == 3e-5 and resolved["run_name"] == "r1"
+    assert "train.lr=3e-5" in yaml.safe_load((run / "overrides.yaml").read_text())
+    git = (run / "git.txt").read_text()
+    assert git.startswith("sha: ") and "dirty: " in git
+    assert (run / "git.diff").exists()
+    versions = json.loads((run / "versions.json").read_text())
+    assert versions["torch"].startswith("2.") and versions["hydra-core"] == "1.3.8"
+
+
+def test_slurm_dry_run_renders_sbatch_with_derived_nodes():
+    out = launch("model=qwen3_8b", "model.path=/ckpt", "cluster=slurm_8xh100", "train=megatron", "train.num_gpus=16",
+                 "train.tp=4", "rollout.num_gpus=8", "rollout.gpus_per_engine=2", "dry_run=true")
+    assert out.returncode == 0, out.stderr
+    for line in ("#SBATCH --nodes=3", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+                 "#SBATCH --account=rl-research", "#SBATCH --signal=USR1@300", "module load cuda/12.4"):
+        assert line in out.stdout
+    assert "GPU-hours reserved" in out.stdout and "576.0" in out.stdout  # 3 nodes x 8 GPUs x 24 h
+
+
+def test_sweep_dry_run_validates_every_point(tmp_path):
+    out = launch("-m", "sweeps=kl_x_lr", "dry_run=true", f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("dry run: config valid, nothing started.") == 6
+    assert "algo.kl_loss_coef=0.01 train.lr=0.0001" in out.stdout + out.stderr
+
+
+def test_checkpoint_architecture_must_match_the_model_option(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"num_hidden_layers": 24, "hidden_size": 896, "num_attention_heads": 14,
+                                                  "num_key_value_heads": 2, "intermediate_size": 4864,
+                                                  "vocab_size": 151936, "max_position_embeddings": 32768}))
+    ok = launch("model=qwen2_5_0_5b", f"model.path={ckpt}", f"output_dir={tmp_path}", "run_name=ok")
+    assert ok.returncode == 0, ok.stderr
+    wrong = launch("model=qwen3_0_6b", f"model.path={ckpt}", f"output_dir={tmp_path}", "run_name=bad")
+    assert wrong.returncode == 2
+    assert "model.num_layers" in wrong.stderr and "config.json says 24" in wrong.stderr
+
+
+def test_missing_files_warn_in_dry_runs_and_refuse_real_runs(tmp_path):
+    args = ("data=jsonl", f"data.path={tmp_path}/nope.jsonl", "data.max_prompt_tokens=64", f"output_dir={tmp_path}")
+    dry = launch(*args, "dry_run=true")
+    assert dry.returncode == 0 and "warning: [data.path]" in dry.stderr
+    real = launch(*args)
+    assert real.returncode == 2 and "nope.jsonl does not exist" in real.stderr
