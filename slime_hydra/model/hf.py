@@ -1,0 +1,50 @@
+"""HF transformers configs and random-init checkpoints built from a model option (no hub access needed).
+
+Used for the embedded default (model=tiny), for tests (tiny random models of each family) and for speed
+benchmarks on GPU machines (a Qwen2.5-0.5B-shaped model with random weights measures speed, not learning).
+"""
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from slime_hydra.model.config import ModelConfig
+
+
+def hf_config(model: ModelConfig, **overrides) -> PretrainedConfig:
+    """The transformers config of this architecture (dense families; MoE/MLA families are not built here)."""
+    from transformers import Glm4Config, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        num_hidden_layers=model.num_layers, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_kv_heads,
+        intermediate_size=model.ffn_hidden_size, vocab_size=model.vocab_size,
+        max_position_embeddings=model.max_position_embeddings, tie_word_embeddings=model.tie_word_embeddings,
+        rope_theta=model.rope_theta,
+    )
+    if model.head_dim is not None:
+        common["head_dim"] = model.head_dim
+    classes = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "glm4": Glm4Config}
+    if model.family not in classes:
+        raise ValueError(f"model.family={model.family}: random-init building supports {sorted(classes)}")
+    config = classes[model.family](**{**common, **overrides})
+    for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):  # family defaults index the real vocabulary
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value >= model.vocab_size and attr not in overrides:
+            setattr(config, attr, None)
+    return config
+
+
+def build_random_checkpoint(model: ModelConfig, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+                            tokenizer: Optional[object] = None, **overrides) -> Path:
+    """Save a randomly initialised HF checkpoint of this architecture to out_dir (safetensors); return out_dir."""
+    out_dir = Path(out_dir)
+    torch.manual_seed(seed)
+    config = hf_config(model, **overrides)
+    net = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    net.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,137 @@
+"""The trainer's view of samples: padded, response-aligned tensors, micro-batches, and per-token logprobs.
+
+Layout of a batch of B samples (sample i has prompt length P_i and response length R_i):
+
+    input_ids      [B, L]  prompt + response tokens, right-padded with pad_id (L = max_i P_i + R_i)
+    attention_mask [B, L]  1 on real tokens
+    response_start [B]     P_i: index of the first response token in input_ids
+    loss_mask      [B, T]  T = max_i R_i; the sample's loss mask over its response tokens, 0 on padding
+    extras         name -> [B, T] or [B] tensors the loss reads (advantages, old/ref/rollout logprobs, ...)
+
+Token j of the response (input_ids[i, P_i + j]) is predicted by the logits at position P_i + j - 1, so every
+response-aligned tensor has column j <-> response token j. Engines report rollout logprobs in the same layout.
+"""
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_start: torch.Tensor
+    loss_mask: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """[B] response tokens per sample (columns of loss_mask in use)."""
+        return self.attention_mask.sum(-1) - self.response_start
+
+    def select(self, index: Sequence[int]) -> "TrainBatch":
+        """The sub-batch of these rows, trimmed to its own longest sequence and response."""
+        idx = torch.as_tensor(list(index), dtype=torch.long)
+        sub_len = int(self.attention_mask[idx].sum(-1).max())
+        sub_resp = int((self.attention_mask[idx].sum(-1) - self.response_start[idx]).max())
+        extras = {k: (v[idx, :sub_resp] if v.dim() == 2 else v[idx]) for k, v in self.extras.items()}
+        return TrainBatch(self.input_ids[idx, :sub_len], self.attention_mask[idx, :sub_len],
+                          self.response_start[idx], self.loss_mask[idx, :sub_resp], extras)
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        return TrainBatch(self.input_ids.to(device), self.attention_mask.to(device), self.response_start.to(device),
+                          self.loss_mask.to(device), {k: v.to(device) for k, v in self.extras.items()})
+
+
+def collate(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], loss_masks: Sequence[Sequence[int]],
+            pad_id: int, extras: dict[str, Sequence] | None = None) -> TrainBatch:
+    """Pad samples (tokens = prompt + response ids) into a TrainBatch.
+
+    extras values are per-sample lists over response tokens (padded with 0 to [B, T]) or per-sample scalars ([B]).
+    """
+    lengths = [len(t) for t in tokens]
+    if any(r <= 0 or r > n for r, n in zip(response_lengths, lengths)):
+        raise ValueError("every sample needs 1 <= response_length <= len(tokens)")
+    b, max_len, max_resp = len(tokens), max(lengths), max(response_lengths)
+    input_ids = torch.full((b, max_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, max_len), dtype=torch.long)
+    loss_mask = torch.zeros((b, max_resp), dtype=torch.float32)
+    for i, (seq, r, m) in enumerate(zip(tokens, response_lengths, loss_masks)):
+        if len(m) != r:
+            raise ValueError(f"sample {i}: loss_mask has {len(m)} entries for {r} response tokens")
+        input_ids[i, : len(seq)] = torch.as_tensor(seq)
+        attention_mask[i, : len(seq)] = 1
+        loss_mask[i, :r] = torch.as_tensor(m, dtype=torch.float32)
+    response_start = torch.as_tensor([n - r for n, r in zip(lengths, response_lengths)], dtype=torch.long)
+    padded = {}
+    for name, values in (extras or {}).items():
+        if isinstance(values[0], (int, float)):
+            padded[name] = torch.as_tensor(values, dtype=torch.float32)
+        else:
+            out = torch.zeros((b, max_resp), dtype=torch.float32)
+            for i, row in enumerate(values):
+                out[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
+            padded[name] = out
+    return TrainBatch(input_ids, attention_mask, response_start, loss_mask, padded)
+
+
+def micro_batches(batch: TrainBatch, micro_batch_samples: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Row indices of each micro-batch.
+
+    Fixed size: consecutive rows, micro_batch_samples each. Token budget (max_tokens set): rows sorted by length
+    (longest first) are packed greedily while rows x longest-row <= max_tokens, so each padded micro-batch costs at
+    most max_tokens positions; a single row longer than the budget gets a micro-batch of its own.
+    """
+    if max_tokens is None:
+        return [list(range(s, min(s + micro_batch_samples, batch.size)))
+                for s in range(0, batch.size, micro_batch_samples)]
+    lengths = batch.attention_mask.sum(-1).tolist()
+    order = sorted(range(batch.size), key=lambda i: -lengths[i])
+    groups, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > max_tokens:
+            groups.append(current)
+            current = []
+        current.append(i)
+    return groups + [current]
+
+
+def response_logprobs(logits: torch.Tensor, batch: TrainBatch, temperature: float = 1.0,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token logprobs (and entropy) of the response tokens, [B, T], 0 where loss_mask-padding.
+
+    logp[i, j] = log softmax(logits[i, P_i + j - 1] / temperature)[input_ids[i, P_i + j]]
+    entropy[i, j] = -sum_v p_v log p_v of the same distribution.
+    Only the T response positions are gathered before the softmax, so memory is B x T x V, not B x L x V.
+    """
+    b, t = batch.loss_mask.shape
+    cols = torch.arange(t, device=logits.device)
+    pos = (batch.response_start.unsqueeze(1) - 1 + cols).clamp(max=logits.shape[1] - 1)  # [B, T]
+    valid = cols.unsqueeze(0) < batch.response_lengths.unsqueeze(1)
+    picked = torch.gather(logits, 1, pos.unsqueeze(-1).expand(b, t, logits.shape[-1])).float()
+    if temperature != 1.0:
+        picked = picked / temperature
+    logp_all = torch.log_softmax(picked, dim=-1)
+    targets = torch.gather(batch.input_ids, 1, (pos + 1).clamp(max=batch.input_ids.shape[1] - 1))
+    logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1) * valid
+    entropy = None
+    if with_entropy:
+        entropy = -(logp_all.exp() * logp_all).sum(-1) * valid
+    return logp, entropy
+
+
+def loss_units(loss_mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
+    """What a loss aggregation averages over: masked tokens (token_mean) or sequences (the seq_mean_* modes).
+
+    A micro-batch's mean loss times units(micro) / units(global batch) sums to the global-batch mean, which is how
+    gradient accumulation and data parallelism stay exact (see FSDPBackend.train_step).
+    """
+    if loss_agg == "token_mean":
+        return loss_mask.sum()
+    return torch.tensor(float(loss_mask.shape[0]), device=loss_mask.device)

@@ -1,0 +1,212 @@
+"""train=fsdp: torch-native FSDP2 (fully_shard) over the HF transformers model, data parallel across ranks.
+
+Every rank runs the same calls (they are collective). The process group is initialised by the caller (the Ray
+rank actor, or a test harness): gloo on CPU, nccl on GPU. Parameters are fp32 masters; on GPU with dtype=bf16 the
+forward/backward run in bf16 (MixedPrecisionPolicy) with fp32 gradient reduction.
+
+Loss scaling (exact gradient accumulation and DP): the loss callable returns the mean loss of a micro-batch over
+its units (tokens for token_mean, sequences otherwise); the backend scales it by
+units(micro) / units(global batch, all ranks) * world_size, so after FSDP's gradient averaging over ranks the
+gradient equals that of the global-batch mean, whatever the micro-batch split.
+
+Reference policy: the initial weights' local shards are kept on the host; ``logprobs(..., policy="ref")`` copies
+them into the parameters, runs the forward, and copies the trained shards back (slime's swap; no second GPU copy).
+"""
+
+import json
+import os
+import random
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
+
+from slime_hydra.train.batch import TrainBatch, loss_units, micro_batches, response_logprobs
+from slime_hydra.train.config import TrainConfig
+from slime_hydra.train.optim import build_optimizer
+
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
+"""loss_fn(logp [B,T], entropy [B,T] or None, micro_batch) -> (mean loss over the micro-batch's units, metrics)."""
+
+
+class FSDPBackend:
+    def __init__(self, model_path: str | Path, train: TrainConfig, total_steps: int, loss_agg: str = "token_mean",
+                 keep_reference: bool = False, device: str | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("FSDPBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
+        self.train_cfg, self.loss_agg = train, loss_agg
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.world = dist.get_world_size()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        if train.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.to(self.device)
+        low = torch.bfloat16 if (train.dtype == "bf16" and self.device.type == "cuda") else torch.float32
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        self.model = model
+        self.optimizer, self.scheduler = build_optimizer(model.parameters(), train, total_steps)
+        self.step = 0
+        self._ref_shards = self._local_shards(to_host=True) if keep_reference else None
+
+    # ---- forward ----------------------------------------------------------------------------------------------
+    def _forward(self, mb: TrainBatch, temperature: float, with_entropy: bool):
+        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        return response_logprobs(logits, mb, temperature, with_entropy)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, policy: str = "current", temperature: float = 1.0,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T] logprobs (and entropy) of the response tokens under the current or the reference policy."""
+        if policy == "ref" and self._ref_shards is None:
+            raise ValueError("no reference policy kept: construct with keep_reference=True")
+        with self._swapped_in(self._ref_shards) if policy == "ref" else _nothing():
+            self.model.eval()
+            logp = torch.zeros(batch.loss_mask.shape)
+            ent = torch.zeros(batch.loss_mask.shape) if with_entropy else None
+            for idx in micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu):
+                mb = batch.select(idx)
+                lp, en = self._forward(mb.to(self.device), temperature, with_entropy)
+                logp[idx, : lp.shape[1]] = lp.float().cpu()
+                if with_entropy:
+                    ent[idx, : en.shape[1]] = en.float().cpu()
+            self.model.reshard()  # FSDP2 keeps the root's parameters unsharded after a forward without backward
+        return logp, ent
+
+    # ---- training ---------------------------------------------------------------------------------------------
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float = 1.0,
+                   with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step on this rank's share of the global batch; returns averaged metrics + grad_norm, lr."""
+        self.model.train()
+        groups = micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu)
+        total_units = loss_units(batch.loss_mask, self.loss_agg).to(torch.float64)
+        dist.all_reduce(total_units)
+        sums: dict[str, float] = {}
+        for k, idx in enumerate(groups):
+            mb = batch.select(idx).to(self.device)
+            self.model.set_requires_gradient_sync(k == len(groups) - 1)
+            logp, entropy = self._forward(mb, temperature, with_entropy)
+            loss, metrics = loss_fn(logp, entropy, mb)
+            weight = float(loss_units(mb.loss_mask, self.loss_agg)) / float(total_units)
+            (loss * weight * self.world).backward()
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * weight
+        max_norm = self.train_cfg.clip_grad if self.train_cfg.clip_grad > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        reduced = torch.tensor(list(sums.values()), dtype=torch.float64)
+        dist.all_reduce(reduced)  # each rank's weighted sum covers its units; summed over ranks = global mean
+        out = dict(zip(sums, reduced.tolist()))
+        out.update(grad_norm=float(grad_norm), lr=lr)
+        return out
+
+    # ---- weights ----------------------------------------------------------------------------------------------
+    def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) for every parameter and buffer, gathered one at a time. Collective: all ranks."""
+        for name, tensor in self.model.state_dict().items():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            yield name, full.detach()
+
+    def export_hf(self, out_dir: str | Path) -> None:
+        """Write an HF checkpoint (config + safetensors) of the current weights; rank 0 writes. Collective."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            config = self.model.config
+            net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            net.load_state_dict(state, strict=False)
+            if config.tie_word_embeddings:
+                net.tie_weights()
+            net.save_pretrained(out_dir, safe_serialization=True)
+        dist.barrier()
+
+    # ---- checkpoint -------------------------------------------------------------------------------------------
+    def save(self, ckpt_dir: str | Path) -> None:
+        """Resumable checkpoint: sharded model + optimizer (torch.distributed.checkpoint), scheduler, step, RNG."""
+        ckpt_dir = Path(ckpt_dir)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt_dir / "dcp"))
+        rank = dist.get_rank()
+        torch.save({"rng": _rng_state(), "ref": self._ref_shards}, ckpt_dir / f"rank{rank}.pt")
+        if rank == 0:
+            (ckpt_dir / "trainer.json").write_text(json.dumps(
+                {"step": self.step, "scheduler": self.scheduler.state_dict(), "world": self.world}))
+        dist.barrier()
+
+    def load(self, ckpt_dir: str | Path) -> None:
+        ckpt_dir = Path(ckpt_dir)
+        meta = json.loads((ckpt_dir / "trainer.json").read_text())
+        if meta["world"] != self.world:
+            raise ValueError(f"checkpoint {ckpt_dir} was saved by {meta['world']} ranks, this run has {self.world}")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(ckpt_dir / "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.step = meta["step"]
+        local = torch.load(ckpt_dir / f"rank{dist.get_rank()}.pt", weights_only=False)
+        _set_rng_state(local["rng"])
+        self._ref_shards = local["ref"]
+
+    # ---- reference swap ---------------------------------------------------------------------------------------
+    def _local_shards(self, to_host: bool) -> dict[str, torch.Tensor]:
+        """This rank's shard of every parameter, by name (on the host when to_host: a copy)."""
+        shards = {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in self.model.named_parameters()}
+        return {n: s.detach().to("cpu", copy=True) for n, s in shards.items()} if to_host else shards
+
+    @contextmanager
+    def _swapped_in(self, shards: dict[str, torch.Tensor]):
+        trained = self._local_shards(to_host=True)
+        live = self._local_shards(to_host=False)
+        with torch.no_grad():
+            for name, ref in shards.items():
+                live[name].copy_(ref)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, mine in trained.items():
+                    live[name].copy_(mine)
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500) -> None:
+    """Join the trainer's process group: nccl when CUDA is available, else gloo."""
+    os.environ.setdefault("MASTER_ADDR", master_addr)
+    os.environ.setdefault("MASTER_PORT", str(master_port))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    dist.init_process_group(backend, rank=rank, world_size=world_size)

@@ -1,0 +1,84 @@
+"""Run a function on N gloo ranks (spawned processes) and return every rank's result; tiny model fixtures."""
+
+import os
+import pickle
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from slime_hydra.model.config import ModelConfig
+from slime_hydra.model.hf import build_random_checkpoint
+from slime_hydra.train.batch import collate
+
+TINY = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=128,
+                   vocab_size=64, max_position_embeddings=128)
+
+
+def tiny_checkpoint(family: str = "qwen2") -> Path:
+    out = Path(tempfile.mkdtemp(prefix=f"tiny_{family}_"))
+    cfg = ModelConfig(**{**TINY.__dict__, "family": family})
+    return build_random_checkpoint(cfg, out, seed=0)
+
+
+def toy_batch(n: int = 8, seed: int = 0):
+    """n samples: random prompts of 3-6 tokens, responses of 1-5 tokens, advantages +-0.5, one masked token."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, resp, masks, adv = [], [], [], []
+    for i in range(n):
+        p, r = int(torch.randint(3, 7, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
+        tokens.append(torch.randint(1, 64, (p + r,), generator=g).tolist())
+        resp.append(r)
+        masks.append([1] * r if r < 3 else [1, 0] + [1] * (r - 2))
+        adv.append([0.5 if i % 2 else -0.5] * r)
+    return collate(tokens, resp, masks, pad_id=0, extras={"advantages": adv})
+
+
+def pg_loss(logp, entropy, mb):
+    """-A * logp, token mean under the mask (REINFORCE with given advantages)."""
+    m = mb.loss_mask
+    loss = -(logp * mb.extras["advantages"] * m).sum() / m.sum().clamp(min=1)
+    return loss, {"pg_loss": loss.detach()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, queue):
+    from slime_hydra.train.fsdp import init_distributed
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_PORT"] = str(port)
+    init_distributed(rank, world, master_port=port)
+    try:
+        result = fn(rank, world, *args)
+    except BaseException as error:  # report instead of leaving the parent waiting on the queue
+        queue.put((rank, pickle.dumps(RuntimeError(f"rank {rank}: {error!r}"))))
+        raise
+    finally:
+        dist.destroy_process_group()
+    queue.put((rank, pickle.dumps(result)))  # plain bytes: shared tensors die with the child
+
+
+def run_ranks(world: int, fn, *args):
+    """[result of rank 0, ..., rank world-1] of fn(rank, world, *args) run under a fresh gloo group."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = mp.start_processes(_entry, args=(world, _free_port(), fn, args, queue), nprocs=world, join=False,
+                               start_method="spawn")
+    results = {}
+    for _ in range(world):  # drain before joining: a big result blocks the pipe
+        rank, payload = queue.get()
+        results[rank] = pickle.loads(payload)
+        if isinstance(results[rank], RuntimeError):
+            procs.join(timeout=30)
+            raise results[rank]
+    while not procs.join():
+        pass
+    return [results[r] for r in range(world)]
