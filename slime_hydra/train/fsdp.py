@@ -44,6 +44,7 @@ class FSDPBackend:
         self.train_cfg, self.loss_agg = train, loss_agg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.world = dist.get_world_size()
+        self.dp_rank, self.dp_size = dist.get_rank(), self.world  # FSDP: every rank is a data-parallel rank
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         if train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,0 +1,103 @@
+"""The train group: one Ray actor per training rank, together one torch.distributed group.
+
+    group = TrainGroup(placement_group, num_ranks, model_path, train_cfg, total_steps, loss_agg, keep_reference)
+    logp, entropy = group.logprobs(batch, policy="current")      # [B, T], reassembled in batch order
+    metrics = group.train_step(batch, loss_fn)                     # one optimizer step on the whole batch
+    group.save(dir); group.load(dir); group.export_hf(dir)
+
+The batch goes to the object store once; rank r trains on rows dp_rank::dp_size (its data-parallel share), so
+every rank of one model replica (TP/PP peers in Megatron) sees the same rows. One bundle per rank: {GPU: 1} on a
+GPU cluster, {CPU: 1} on a CPU-only machine.
+"""
+
+import socket
+from pathlib import Path
+from typing import Callable
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from slime_hydra.train.batch import TrainBatch
+from slime_hydra.train.config import TrainConfig
+
+
+class TrainRank:
+    """One training rank. Created through ray.remote by TrainGroup; the process group forms in ``setup``."""
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port for the process group's rendezvous (asked of rank 0)."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def setup(self, rank: int, world: int, master: tuple[str, int], backend: str, model_path: str,
+              train: TrainConfig, total_steps: int, loss_agg: str, keep_reference: bool) -> None:
+        from slime_hydra.train.fsdp import init_distributed
+
+        torch.set_num_threads(max(int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)), 1))
+        init_distributed(rank, world, master_addr=master[0], master_port=master[1])
+        if backend == "fsdp":
+            from slime_hydra.train.fsdp import FSDPBackend as Backend
+        else:
+            from slime_hydra.train.megatron.backend import MegatronBackend as Backend
+        self.backend = Backend(model_path, train, total_steps, loss_agg=loss_agg, keep_reference=keep_reference)
+
+    def _share(self, batch: TrainBatch) -> tuple[list[int], TrainBatch]:
+        rows = list(range(self.backend.dp_rank, batch.size, self.backend.dp_size))
+        return rows, batch.select(rows)
+
+    def logprobs(self, batch: TrainBatch, policy: str, temperature: float, with_entropy: bool):
+        rows, share = self._share(batch)
+        logp, entropy = self.backend.logprobs(share, policy, temperature, with_entropy)
+        return rows, logp, entropy
+
+    def train_step(self, batch: TrainBatch, loss_fn: Callable, temperature: float, with_entropy: bool) -> dict:
+        return self.backend.train_step(self._share(batch)[1], loss_fn, temperature, with_entropy)
+
+    def call(self, method: str, *args):
+        """Run a backend method by name on this rank (save, load, export_hf: all collective)."""
+        return getattr(self.backend, method)(*args)
+
+
+class TrainGroup:
+    def __init__(self, pg: PlacementGroup, num_ranks: int, backend: str, model_path: str | Path, train: TrainConfig,
+                 total_steps: int, loss_agg: str, keep_reference: bool, gpus_per_rank: float = 0.0,
+                 bundle_offset: int = 0):
+        actor_cls = ray.remote(TrainRank)
+        self.ranks = [
+            actor_cls.options(
+                num_cpus=0 if gpus_per_rank else 1, num_gpus=gpus_per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_offset + i),
+            ).remote()
+            for i in range(num_ranks)
+        ]
+        master = ray.get(self.ranks[0].address.remote())
+        ray.get([r.setup.remote(i, num_ranks, master, backend, str(model_path), train, total_steps, loss_agg,
+                                keep_reference) for i, r in enumerate(self.ranks)])
+
+    def logprobs(self, batch: TrainBatch, policy: str = "current", temperature: float = 1.0,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ref = ray.put(batch)
+        parts = ray.get([r.logprobs.remote(ref, policy, temperature, with_entropy) for r in self.ranks])
+        logp = torch.zeros(batch.loss_mask.shape)
+        entropy = torch.zeros(batch.loss_mask.shape) if with_entropy else None
+        for rows, lp, ent in parts:  # TP/PP peers return the same rows; writing them twice is harmless
+            logp[rows, : lp.shape[1]] = lp
+            if with_entropy:
+                entropy[rows, : ent.shape[1]] = ent
+        return logp, entropy
+
+    def train_step(self, batch: TrainBatch, loss_fn: Callable, temperature: float = 1.0,
+                   with_entropy: bool = False) -> dict[str, float]:
+        ref = ray.put(batch)
+        return ray.get([r.train_step.remote(ref, loss_fn, temperature, with_entropy) for r in self.ranks])[0]
+
+    def call(self, method: str, *args) -> list:
+        return ray.get([r.call.remote(method, *args) for r in self.ranks])
+
+    def shutdown(self) -> None:
+        for r in self.ranks:
+            ray.kill(r)
