@@ -139,10 +139,20 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
         yield Problem(("train.tp", "model.num_kv_heads"),
                       f"model.num_kv_heads={m.num_kv_heads} is not divisible by train.tp={t.tp}",
                       f"choose train.tp among {_divisors(m.num_kv_heads)}")
-    if m.num_layers % t.pp:
-        yield Problem(("train.pp", "model.num_layers"),
-                      f"model.num_layers={m.num_layers} is not divisible by train.pp={t.pp}",
-                      f"choose train.pp among {_divisors(m.num_layers)}")
+    # Megatron's uneven pipeline: the first/last stage may hold a given number of layers, the rest split evenly.
+    uneven = {k: t.megatron[k] for k in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+              if t.megatron.get(k) is not None}
+    even_layers, even_stages = m.num_layers - sum(uneven.values()), t.pp - len(uneven)
+    if even_stages > 0 and (even_layers < even_stages or even_layers % even_stages):
+        if uneven:
+            yield Problem(("train.pp", "model.num_layers", *(f"train.megatron.{k}" for k in uneven)),
+                          f"{m.num_layers} layers minus the uneven stages ({sum(uneven.values())}) leave {even_layers} "
+                          f"layers for {even_stages} stages", "adjust the first/last stage layer counts")
+        else:
+            yield Problem(("train.pp", "model.num_layers"),
+                          f"model.num_layers={m.num_layers} is not divisible by train.pp={t.pp}",
+                          f"choose train.pp among {_divisors(m.num_layers)}, or give the first/last stage its own "
+                          "count (train.megatron.decoder_first_pipeline_num_layers)")
     if t.ep > 1:
         if not m.is_moe:
             yield Problem(("train.ep",), f"expert parallelism (ep={t.ep}) needs a MoE model; {m.name} is dense",

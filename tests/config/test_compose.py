@@ -19,7 +19,7 @@ NEEDS = {
     ("data", "jsonl"): ("data.path=/data/train.jsonl",),
     ("reward", "remote"): ("reward.url=http://127.0.0.1:8000/score",),
     ("reward", "custom"): ("reward.target=my_pkg.rewards.score",),
-    ("rollout", "sglang"): ("cluster.gpus_per_node=8",),
+    ("rollout", "sglang"): ("cluster.gpus_per_node=8", "rollout.num_gpus=1"),
     ("debug", "train_only"): ("debug.rollout_path=/runs/x/rollouts",),
 }
 
