@@ -1,0 +1,83 @@
+"""metrics.jsonl, wandb (offline), TensorBoard and the PNG report, read back and checked."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from slime_hydra.tracking.config import TrackingConfig
+from slime_hydra.tracking.progress import summary
+from slime_hydra.tracking.tracker import Tracker, read_metrics
+
+
+def _log_steps(tracker, steps):
+    for k in steps:
+        tracker.log(k, {"rollout/raw_reward": 0.1 * k, "eval/addition/accuracy": 0.05 * k, "train/ppo_kl": 0.0,
+                        "train/entropy_loss": 1.0 - 0.1 * k, "rollout/response_len/mean": 3.0,
+                        "perf/generate_time": 1.5, "perf/train_time": 2.0})
+
+
+def test_metrics_jsonl_and_resume_never_repeats_a_step(tmp_path):
+    tracker = Tracker(TrackingConfig(), tmp_path, "run", {})
+    _log_steps(tracker, range(5))
+    tracker.close()
+    # the run crashed after step 4 but its last checkpoint is step 2: steps 3-4 are logged again after resume
+    tracker = Tracker(TrackingConfig(), tmp_path, "run", {}, resume_step=2)
+    _log_steps(tracker, range(3, 6))
+    tracker.close()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert rows[4]["rollout/raw_reward"] == pytest.approx(0.4)
+
+
+def test_log_every_steps(tmp_path):
+    tracker = Tracker(TrackingConfig(log_every_steps=2), tmp_path, "run", {})
+    _log_steps(tracker, range(5))
+    tracker.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 2, 4]
+
+
+def test_tensorboard_events_hold_the_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = Tracker(TrackingConfig(tensorboard=True), tmp_path, "run", {})
+    _log_steps(tracker, range(4))
+    tracker.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    values = [(e.step, round(e.value, 6)) for e in acc.Scalars("rollout/raw_reward")]
+    assert values == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.3)]
+
+
+def test_wandb_offline_run_is_written_and_resumable(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = Tracker(TrackingConfig(wandb=True), tmp_path, "run", {"lr": 1e-4})
+    _log_steps(tracker, range(3))
+    tracker.close()
+    run_id = (tmp_path / "wandb_id.txt").read_text()
+    runs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), "offline run files"
+    tracker = Tracker(TrackingConfig(wandb=True), tmp_path, "run", {}, resume_step=2)
+    assert (tmp_path / "wandb_id.txt").read_text() == run_id  # resumes the same wandb run
+    tracker.close()
+
+
+def test_report_writes_one_png_per_panel(tmp_path):
+    tracker = Tracker(TrackingConfig(), tmp_path, "run", {})
+    _log_steps(tracker, range(6))
+    tracker.close()
+    out = subprocess.run([sys.executable, "-m", "slime_hydra.report", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    names = sorted(p.stem for p in (tmp_path / "plots").glob("*.png"))
+    assert names == ["accuracy", "entropy", "kl", "phase_times", "response_length", "reward"]
+    assert all(p.stat().st_size > 5000 for p in (tmp_path / "plots").glob("*.png"))
+    assert str(tmp_path / "plots" / "reward.png") in out.stdout
+
+
+def test_progress_summary_line():
+    line = summary({"rollout/raw_reward": 0.5, "eval/addition/accuracy": 0.72, "perf/tokens_per_s": 1234.4,
+                    "perf/generate_time": 1.25, "perf/train_time": 2.0})
+    assert line == "reward 0.500 | addition 72.0% | 1234 tok/s | generate 1.2s train 2.0s"
