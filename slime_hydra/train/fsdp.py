@@ -9,6 +9,9 @@ its units (tokens for token_mean, sequences otherwise); the backend scales it by
 units(micro) / units(global batch, all ranks) * world_size, so after FSDP's gradient averaging over ranks the
 gradient equals that of the global-batch mean, whatever the micro-batch split.
 
+Critic (PPO): ``role="critic"`` loads the same checkpoint as a token-classification model with one output (a fresh
+value head), trains with ``train.critic_lr``, and its forward yields values in place of logprobs.
+
 Reference policy: the initial weights' local shards are kept on the host; ``logprobs(..., policy="ref")`` copies
 them into the parameters, runs the forward, and copies the trained shards back (slime's swap; no second GPU copy).
 """
@@ -26,9 +29,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from slime_hydra.train.batch import TrainBatch, loss_units, micro_batches, response_logprobs
+from slime_hydra.train.batch import TrainBatch, loss_units, micro_batches, response_logprobs, response_values
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.optim import build_optimizer
 
@@ -38,14 +41,21 @@ LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.T
 
 class FSDPBackend:
     def __init__(self, model_path: str | Path, train: TrainConfig, total_steps: int, loss_agg: str = "token_mean",
-                 keep_reference: bool = False, device: str | None = None):
+                 keep_reference: bool = False, device: str | None = None, role: str = "actor"):
         if not dist.is_initialized():
             raise RuntimeError("FSDPBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         self.train_cfg, self.loss_agg = train, loss_agg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.world = dist.get_world_size()
         self.dp_rank, self.dp_size = dist.get_rank(), self.world  # FSDP: every rank is a data-parallel rank
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        if role not in ("actor", "critic"):
+            raise ValueError(f"role must be actor or critic, got {role!r}")
+        self.role = role
+        if role == "critic":  # PPO's value model: the same trunk with a fresh 1-output head ("score")
+            model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32,
+                                                                    attn_implementation="sdpa")
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         if train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(self.device)
@@ -55,19 +65,25 @@ class FSDPBackend:
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         self.model = model
-        self.optimizer, self.scheduler = build_optimizer(model.parameters(), train, total_steps)
+        peak = train.critic_lr if role == "critic" else train.lr
+        self.optimizer, self.scheduler = build_optimizer(model.parameters(), train, total_steps, peak)
         self.step = 0
         self._ref_shards = self._local_shards(to_host=True) if keep_reference else None
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _forward(self, mb: TrainBatch, temperature: float, with_entropy: bool):
-        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        return response_logprobs(logits, mb, temperature, with_entropy)
+        """Actor: (logp, entropy) of the response tokens. Critic: (values, None). All [B, T]."""
+        out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        if self.role == "critic":
+            return response_values(out, mb), None
+        return response_logprobs(out, mb, temperature, with_entropy)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, policy: str = "current", temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, T] logprobs (and entropy) of the response tokens under the current or the reference policy."""
+        """[B, T] logprobs (and entropy) of the response tokens under the current or the reference policy.
+
+        For the critic this returns the values V(s_j) instead (see ``values``)."""
         if policy == "ref" and self._ref_shards is None:
             raise ValueError("no reference policy kept: construct with keep_reference=True")
         with self._swapped_in(self._ref_shards) if policy == "ref" else _nothing():
@@ -82,6 +98,12 @@ class FSDPBackend:
                     ent[idx, : en.shape[1]] = en.float().cpu()
             self.model.reshard()  # FSDP2 keeps the root's parameters unsharded after a forward without backward
         return logp, ent
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """Critic only: [B, T] values of the states before each response token."""
+        if self.role != "critic":
+            raise ValueError("values() needs role='critic'")
+        return self.logprobs(batch)[0]
 
     # ---- training ---------------------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float = 1.0,
@@ -127,7 +149,8 @@ class FSDPBackend:
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if dist.get_rank() == 0:
             config = self.model.config
-            net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            auto = AutoModelForTokenClassification if self.role == "critic" else AutoModelForCausalLM
+            net = auto.from_config(config, dtype=torch.float32)
             net.load_state_dict(state, strict=False)
             if config.tie_word_embeddings:
                 net.tie_weights()

@@ -106,3 +106,29 @@ def test_export_hf_and_full_weights_match_the_trained_model(tmp_path):
         torch.testing.assert_close(state[name], tensor, atol=0, rtol=0)
     original = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     assert any(not torch.equal(original[n], weights[n]) for n in weights)  # trained, not the initial weights
+
+
+def value_loss(values, _entropy, mb):
+    """0.5 (V - G)^2, token mean under the mask (returns G in extras)."""
+    m = mb.loss_mask
+    loss = 0.5 * (((values - mb.extras["returns"]) ** 2) * m).sum() / m.sum()
+    return loss, {"value_loss": loss.detach()}
+
+
+def _critic(rank, world, path):
+    from tests.train.harness import toy_batch as make
+
+    batch = make()
+    batch.extras["returns"] = batch.extras["advantages"] * 2  # targets +-1 per token
+    critic = FSDPBackend(path, TrainConfig(**{**CFG, "lr": 1.0}, critic_lr=3e-3, micro_batch_samples=4),
+                         total_steps=40, role="critic")
+    mine = batch.select(list(range(rank, 8, world)))
+    losses = [float(critic.train_step(mine, value_loss)["value_loss"]) for _ in range(40)]
+    return losses, critic.values(batch), batch.extras["returns"] * batch.loss_mask, critic.scheduler.get_last_lr()
+
+
+def test_critic_learns_value_targets_with_its_own_learning_rate():
+    losses, values, targets, lr = run_ranks(2, _critic, tiny_checkpoint())[0]
+    assert lr == [3e-3]  # critic_lr, not lr
+    assert losses[-1] < 0.1 * losses[0]
+    assert ((values - targets).abs() * (targets != 0)).max() < 0.5  # every trained token's value near its target
