@@ -12,6 +12,7 @@ from slime_hydra.algo.config import GROUP_ESTIMATORS
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.errors import ConfigError, Problem, nearest
 from slime_hydra.config.passthrough import check_passthrough
+from slime_hydra.data.tasks import TASKS
 from slime_hydra.config.schema import SlimeConfig
 
 CHOICES = {
@@ -286,6 +287,10 @@ def check_sources(cfg: SlimeConfig) -> Iterator[Problem]:
     if cfg.data.path is None and cfg.data.task is None:
         yield Problem(("data.path", "data.task"), "no prompts: both data.path and data.task are null",
                       "set data.path=/path/train.jsonl or data=addition")
+    if cfg.data.path is None and cfg.data.task is not None and cfg.data.task not in TASKS:
+        hint = nearest(cfg.data.task, TASKS)
+        yield Problem(("data.task",), f"'{cfg.data.task}' is not a built-in task ({', '.join(TASKS)})",
+                      f"did you mean data.task={hint}?" if hint else "set data.path to your dataset instead")
     if cfg.data.path is not None and not cfg.data.path.endswith((".jsonl", ".parquet")):
         yield Problem(("data.path",), f"'{cfg.data.path}' is neither .jsonl nor .parquet",
                       "convert the dataset to JSONL or Parquet")

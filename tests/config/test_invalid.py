@@ -78,6 +78,7 @@ INVALID = [
     # sources and required values
     (("data.task=null",), "data.path", "both data.path and data.task are null"),
     (("data.path=/data/train.csv",), "data.path", "JSONL or Parquet"),
+    (("data.task=adition",), "data.task", "did you mean data.task=addition"),
     (("model=glm4_9b",), "model.path", "HF checkpoint directory"),
     (("reward=remote",), "reward.url", "needs an http(s) URL"),
     (("reward=custom", "reward.target=score"), "reward.target", "dotted path"),
