@@ -1,0 +1,46 @@
+"""The loss callables the backends run: the algo config applied to a micro-batch's tensors.
+
+A backend calls ``loss_fn(logp_or_values, entropy, micro_batch) -> (mean loss over the micro-batch's units,
+metrics)``. These objects are small, picklable and built once per run from the algo config; they read the
+micro-batch's extras (response-aligned [B, T]):
+
+    ActorLoss:  advantages, old_logprobs; ref_logprobs when a KL term is on; rollout_logprobs when TIS is on
+    CriticLoss: old_values, returns
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from slime_hydra.algo import compute_policy_loss, value_loss
+from slime_hydra.algo.config import AlgoConfig
+from slime_hydra.train.batch import TrainBatch
+
+
+@dataclass(frozen=True)
+class ActorLoss:
+    algo: AlgoConfig
+    max_response_tokens: int
+    """rollout.max_response_tokens: the constant of the seq_mean_token_sum_norm aggregation."""
+
+    def __call__(self, logp: torch.Tensor, entropy: torch.Tensor | None, mb: TrainBatch):
+        a, extras = self.algo, mb.extras
+        loss, metrics = compute_policy_loss(
+            logp, extras["old_logprobs"], extras["advantages"], mb.loss_mask, policy_loss=a.policy_loss,
+            ref_logp=extras.get("ref_logprobs"), rollout_logp=extras.get("rollout_logprobs"), entropy=entropy,
+            eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
+            kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef,
+            tis_cap=a.tis_cap, loss_agg=a.loss_agg, max_response_tokens=self.max_response_tokens)
+        return loss, metrics
+
+
+@dataclass(frozen=True)
+class CriticLoss:
+    algo: AlgoConfig
+    max_response_tokens: int
+
+    def __call__(self, values: torch.Tensor, _entropy, mb: TrainBatch):
+        loss, metrics = value_loss(values, mb.extras["old_values"], mb.extras["returns"], mb.loss_mask,
+                                   value_clip=self.algo.value_clip, loss_agg=self.algo.loss_agg,
+                                   max_response_tokens=self.max_response_tokens)
+        return loss * self.algo.value_loss_coef, metrics
