@@ -1,0 +1,53 @@
+"""From scored samples to a train batch with advantages: the 'old/ref logprobs -> advantages' part of a step.
+
+    batch = to_train_batch(samples, pad_id, reward_key)        # rewards [B], rollout logprobs [B, T]
+    add_advantages(batch, algo, group_size, old, ref, values)  # advantages, returns (and the shaped KL) [B, T]
+
+Samples arrive group-contiguous (the group_size samples of one prompt next to each other), as the buffer hands
+them out; GRPO-style baselines rely on that order.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+
+from slime_hydra.algo import compute_advantages, compute_kl
+from slime_hydra.algo.config import AlgoConfig
+from slime_hydra.buffer.sample import Sample
+from slime_hydra.train.batch import TrainBatch, collate
+
+
+def to_train_batch(samples: Sequence[Sample], pad_id: int, reward_key: Optional[str] = None) -> TrainBatch:
+    """Pad samples into a TrainBatch; extras: rewards [B] and rollout_logprobs [B, T] when the engine gave them."""
+    if any(s.response_length == 0 for s in samples):
+        raise ValueError("samples with an empty response cannot be trained on (drop or mark them failed first)")
+    extras: dict[str, list] = {"rewards": [s.scalar_reward(reward_key) for s in samples]}
+    if all(len(s.rollout_log_probs) == s.response_length for s in samples):
+        extras["rollout_logprobs"] = [s.rollout_log_probs for s in samples]
+    return collate([s.tokens for s in samples], [s.response_length for s in samples],
+                   [s.loss_mask for s in samples], pad_id=pad_id, extras=extras)
+
+
+def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_logprobs: torch.Tensor,
+                   ref_logprobs: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None) -> None:
+    """Store old_logprobs, ref_logprobs, advantages and returns (and values as old_values) in batch.extras.
+
+    The KL of reward shaping (algo.kl_coef > 0) is k-estimator(old || ref) per token, computed here once.
+    """
+    extras = batch.extras
+    extras["old_logprobs"] = old_logprobs
+    if ref_logprobs is not None:
+        extras["ref_logprobs"] = ref_logprobs
+    kl = None
+    if algo.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("algo.kl_coef > 0 shapes the reward with KL to the reference: ref_logprobs needed")
+        kl = compute_kl(old_logprobs, ref_logprobs, batch.loss_mask, kl_loss_type=algo.kl_loss_type)
+    advantages, returns = compute_advantages(
+        algo.advantage_estimator, rewards=extras["rewards"], loss_mask=batch.loss_mask,
+        group_size=group_size if algo.advantage_estimator in ("grpo", "reinforce_pp_baseline") else None,
+        std_normalization=algo.std_normalization, gamma=algo.gamma, lam=algo.lam, kl_coef=algo.kl_coef, kl=kl,
+        values=values, normalize_advantages=algo.normalize_advantages)
+    extras["advantages"], extras["returns"] = advantages, returns
+    if values is not None:
+        extras["old_values"] = values

@@ -1,0 +1,44 @@
+"""Scored samples -> TrainBatch -> advantages, against hand-computed GRPO numbers."""
+
+import pytest
+import torch
+
+from slime_hydra.algo.config import AlgoConfig
+from slime_hydra.buffer.sample import Sample
+from slime_hydra.train.prepare import add_advantages, to_train_batch
+
+
+def _samples():
+    # two groups of two: rewards [1, 0] and [1, 1]; prompts of 2 tokens, responses of 3 and 1 tokens
+    rows = [([5, 6, 7, 8, 9], 3, [1, 0, 1], 1.0), ([5, 6, 7], 1, [1], 0.0),
+            ([4, 4, 1, 2], 2, [1, 1], 1.0), ([4, 4, 3], 1, [1], 1.0)]
+    return [Sample(index=i, group_index=i // 2, tokens=t, response_length=r, loss_mask=m, reward=rw,
+                   rollout_log_probs=[-0.5] * r) for i, (t, r, m, rw) in enumerate(rows)]
+
+
+def test_grpo_advantages_from_samples():
+    batch = to_train_batch(_samples(), pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 0, 0], [4, 4, 1, 2, 0], [4, 4, 3, 0, 0]]
+    assert batch.loss_mask.tolist() == [[1, 0, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
+    assert batch.extras["rollout_logprobs"][1].tolist() == [-0.5, 0, 0]
+    old = torch.zeros(batch.loss_mask.shape)
+    add_advantages(batch, AlgoConfig(), group_size=2, old_logprobs=old)
+    # group 0: mean 0.5, sample std (n-1) = 0.7071 -> +-0.7071; group 1: all equal -> 0
+    a = 0.5 / (0.5 ** 0.5 + 1e-6)
+    expected = torch.tensor([[a, 0, a], [-a, 0, 0], [0, 0, 0], [0, 0, 0]])
+    torch.testing.assert_close(batch.extras["advantages"], expected, atol=1e-5, rtol=0)
+    assert batch.extras["old_logprobs"] is old
+
+
+def test_reward_shaping_needs_the_reference():
+    batch = to_train_batch(_samples(), pad_id=0)
+    with pytest.raises(ValueError, match="ref_logprobs needed"):
+        add_advantages(batch, AlgoConfig(advantage_estimator="reinforce_pp", kl_coef=0.1), group_size=2,
+                       old_logprobs=torch.zeros(batch.loss_mask.shape))
+
+
+def test_empty_response_is_refused():
+    bad = _samples()
+    bad[0].tokens, bad[0].response_length, bad[0].loss_mask, bad[0].rollout_log_probs = [1, 2], 0, [], []
+    with pytest.raises(ValueError, match="empty response"):
+        to_train_batch(bad, pad_id=0)
