@@ -111,7 +111,7 @@ def response_logprobs(logits: torch.Tensor, batch: TrainBatch, temperature: floa
     Only the T response positions are gathered before the softmax, so memory is B x T x V, not B x L x V.
     """
     b, t = batch.loss_mask.shape
-    pos, valid = _predicting_positions(batch, logits.shape[1])
+    pos, valid = predicting_positions(batch, logits.shape[1])
     picked = torch.gather(logits, 1, pos.unsqueeze(-1).expand(b, t, logits.shape[-1])).float()
     if temperature != 1.0:
         picked = picked / temperature
@@ -126,11 +126,11 @@ def response_logprobs(logits: torch.Tensor, batch: TrainBatch, temperature: floa
 
 def response_values(values: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     """[B, T] critic values V(s_j) of the state before response token j: values[i, P_i + j - 1, 0]; 0 on padding."""
-    pos, valid = _predicting_positions(batch, values.shape[1])
+    pos, valid = predicting_positions(batch, values.shape[1])
     return torch.gather(values[..., 0].float(), 1, pos) * valid
 
 
-def _predicting_positions(batch: TrainBatch, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def predicting_positions(batch: TrainBatch, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T] positions P_i + j - 1 whose outputs predict response token j, and [B, T] validity (j < R_i)."""
     cols = torch.arange(batch.loss_mask.shape[1], device=batch.input_ids.device)
     pos = (batch.response_start.unsqueeze(1) - 1 + cols).clamp(max=seq_len - 1)

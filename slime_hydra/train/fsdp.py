@@ -164,7 +164,7 @@ class FSDPBackend:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt_dir / "dcp"))
         rank = dist.get_rank()
-        torch.save({"rng": _rng_state(), "ref": self._ref_shards}, ckpt_dir / f"rank{rank}.pt")
+        torch.save({"rng": rng_state(), "ref": self._ref_shards}, ckpt_dir / f"rank{rank}.pt")
         if rank == 0:
             (ckpt_dir / "trainer.json").write_text(json.dumps(
                 {"step": self.step, "scheduler": self.scheduler.state_dict(), "world": self.world}))
@@ -182,7 +182,7 @@ class FSDPBackend:
         self.scheduler.load_state_dict(meta["scheduler"])
         self.step = meta["step"]
         local = torch.load(ckpt_dir / f"rank{dist.get_rank()}.pt", weights_only=False)
-        _set_rng_state(local["rng"])
+        set_rng_state(local["rng"])
         self._ref_shards = local["ref"]
 
     # ---- reference swap ---------------------------------------------------------------------------------------
@@ -211,14 +211,14 @@ def _nothing():
     yield
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -227,10 +227,11 @@ def _set_rng_state(state: dict) -> None:
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500) -> None:
-    """Join the trainer's process group: nccl when CUDA is available, else gloo."""
+    """Join the trainer's process group: gloo for host tensors always, nccl for CUDA tensors when there is a GPU
+    (the backends all-reduce small host tensors: loss units, metrics)."""
     os.environ.setdefault("MASTER_ADDR", master_addr)
     os.environ.setdefault("MASTER_PORT", str(master_port))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     dist.init_process_group(backend, rank=rank, world_size=world_size)

@@ -1,0 +1,201 @@
+"""The architecture of an HF checkpoint as megatron-core sees it, and the GPTModel built from it.
+
+``Arch`` holds what both the model builder and the weight converter need: the numbers of ``ModelConfig`` plus the
+family's structural facts (QKV bias, q/k norm, GLM-4's sandwich norms, interleaved or half-split RoPE, fused
+gate/up) and HF's own RoPE inverse frequencies, so any rope_type transformers implements (default, llama3, linear,
+dynamic at its base length ...) is reproduced exactly.
+
+Families and what Megatron expresses them with:
+    qwen2  Qwen2/Qwen2.5: bias on q/k/v only (add_qkv_bias)
+    qwen3  Qwen3 dense: RMSNorm on q and k per head (qk_layernorm), no biases
+    llama  Llama 3: no biases; llama3 rope scaling via HF's inverse frequencies
+    glm4   GLM-4-0414: q/k/v bias, fused gate_up_proj, partial (head_dim/2) interleaved RoPE, and RMSNorms on the
+           attention and MLP outputs before each residual add (spec.PostNormBiasDropoutAdd)
+"""
+
+import dataclasses
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from slime_hydra.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    rotary_class: str
+    """transformers' RoPE module of the family (gives the inverse frequencies)."""
+    qkv_bias: str
+    """'always' (Qwen2), 'config' (config.attention_bias; q/k/v only), or 'o_too' (attention_bias also puts a bias
+    on o_proj, which megatron cannot express without biasing the MLP too: refused)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on queries and keys before RoPE (Qwen3)."""
+    sandwich_norm: bool = False
+    """Extra RMSNorms on the attention and MLP outputs before the residual adds (GLM-4)."""
+    fused_gate_up: bool = False
+    """HF stores gate and up as one [2F, H] gate_up_proj (GLM-4)."""
+    rotary_interleaved: bool = False
+    """RoPE rotates pairs (x0, x1), (x2, x3) ... (GLM-4) instead of (x_i, x_{i + d/2})."""
+
+
+FAMILIES = {
+    "qwen2": Family("transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding", qkv_bias="always"),
+    "qwen3": Family("transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding", qkv_bias="o_too", qk_norm=True),
+    "llama": Family("transformers.models.llama.modeling_llama.LlamaRotaryEmbedding", qkv_bias="o_too"),
+    "glm4": Family("transformers.models.glm4.modeling_glm4.Glm4RotaryEmbedding", qkv_bias="config",
+                   sandwich_norm=True, fused_gate_up=True, rotary_interleaved=True),
+}
+"""HF config.model_type -> what its layers look like."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """ModelConfig's numbers (read from the checkpoint's config.json, the source of truth for the weights) plus
+    the family's structure. Built by ``from_hf`` (or ``from_model_config`` for the random-init families)."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    sandwich_norm: bool
+    fused_gate_up: bool
+    rotary_interleaved: bool
+    attention_dropout: float
+    inv_freq: torch.Tensor = field(compare=False, repr=False)
+    """[rotary_dim / 2] RoPE inverse frequencies exactly as transformers computes them (rotary_dim <= head_dim)."""
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, config) -> "Arch":
+        """The architecture of a transformers config; refuses what megatron-core's dense GPT layer cannot express."""
+        family_name = config.model_type
+        if family_name not in FAMILIES:
+            raise ValueError(f"model_type={family_name!r}: train=megatron converts {sorted(FAMILIES)}")
+        family = FAMILIES[family_name]
+        problems = []
+        if getattr(config, "hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act={config.hidden_act} (SwiGLU needs silu)")
+        if getattr(config, "mlp_bias", False):
+            problems.append("mlp_bias=True")
+        if getattr(config, "use_sliding_window", False):
+            problems.append("use_sliding_window=True")
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        if family.qkv_bias == "o_too" and attention_bias:
+            problems.append("attention_bias=True (puts a bias on o_proj too; megatron would bias the MLP as well)")
+        rotary_cls = _import(family.rotary_class)
+        rotary = rotary_cls(config)
+        if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+            problems.append(f"rope with attention scaling {rotary.attention_scaling} (e.g. yarn)")
+        if problems:
+            raise ValueError(f"{family_name} checkpoint not expressible by train=megatron: " + "; ".join(problems))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            family=family_name, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim, ffn_hidden_size=config.intermediate_size, vocab_size=config.vocab_size,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(config.tie_word_embeddings), norm_eps=float(config.rms_norm_eps),
+            qkv_bias=family.qkv_bias == "always" or (family.qkv_bias == "config" and attention_bias),
+            qk_norm=family.qk_norm, sandwich_norm=family.sandwich_norm, fused_gate_up=family.fused_gate_up,
+            rotary_interleaved=family.rotary_interleaved,
+            attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+            inv_freq=rotary.inv_freq.detach().float().cpu().clone(),
+        )
+
+    @classmethod
+    def from_model_config(cls, model: ModelConfig) -> "Arch":
+        from slime_hydra.model.hf import hf_config
+
+        return cls.from_hf(hf_config(model))
+
+
+def _import(dotted: str):
+    module, name = dotted.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def transformer_engine_available() -> bool:
+    """TransformerEngine's layer spec is used when it imports and the model lives on a GPU."""
+    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+
+
+def init_parallel(tp: int, pp: int = 1, cp: int = 1, ep: int = 1, seed: int = 0) -> None:
+    """Megatron's process groups over the already-initialised default group (ranks: tp fastest, then dp), and its
+    RNG tracker. On CPU the tracker is the inference one (no CUDA RNG states; valid because dropout is 0)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise RuntimeError(f"megatron parallel state already initialised with tp, pp = {have}, asked {(tp, pp)}")
+        return
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             context_parallel_size=cp, expert_model_parallel_size=ep,
+                                             create_gloo_process_groups=False)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
+
+
+def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "cpu",
+                       use_te: bool = False, overrides: dict[str, Any] | None = None):
+    """megatron's TransformerConfig for this architecture. Parameters are fp32 (the optimizer's masters); bf16
+    compute runs under autocast. ``overrides`` are TransformerConfig fields (train.megatron passthrough)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
+        rotary_interleaved=arch.rotary_interleaved, hidden_dropout=0.0, attention_dropout=arch.attention_dropout,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        params_dtype=torch.float32, use_cpu_initialization=device == "cpu", perform_initialization=False,
+        transformer_impl="transformer_engine" if use_te else "local",
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(overrides or {}) - fields)
+    if unknown:
+        raise ValueError(f"train.megatron options {unknown} are not megatron-core TransformerConfig fields; "
+                         "the megatron backend passes only those through")
+    kwargs.update(overrides or {})
+    return TransformerConfig(**kwargs)
+
+
+def build_model(arch: Arch, config, use_te: bool = False, device: str | torch.device = "cpu"):
+    """GPTModel on ``device`` (vocab-parallel output, tied embeddings when the checkpoint ties them) with HF-exact
+    RoPE. Weights are uninitialised: load them with convert.load_hf_weights."""
+    from megatron.core.models.gpt import GPTModel
+
+    from slime_hydra.train.megatron.spec import HFRotaryEmbedding, block_spec
+
+    tp = config.tensor_model_parallel_size
+    if arch.vocab_size % tp:
+        raise ValueError(f"vocab_size={arch.vocab_size} is not divisible by train.tp={tp} (the vocabulary is split "
+                         "evenly across TP ranks)")
+    model = GPTModel(config=config, transformer_layer_spec=block_spec(arch, config, use_te),
+                     vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
+                     pre_process=True, post_process=True, parallel_output=True,
+                     share_embeddings_and_output_weights=arch.tie_word_embeddings,
+                     position_embedding_type="rope")
+    model.to(device)  # linears are allocated on the GPU already; torch's norms are built on the host
+    model.rotary_pos_emb = HFRotaryEmbedding(arch.inv_freq.to(device), arch.rotary_interleaved)
+    return model

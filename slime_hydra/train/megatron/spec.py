@@ -1,0 +1,134 @@
+"""The transformer layer spec, and the two modules that let megatron-core run without TransformerEngine or apex.
+
+Which spec:
+- TransformerEngine importable and a GPU present: megatron's TE layer spec (fused layernorm-linear, TE attention).
+  Not exercised here (no machine we test on has TE); convert.py maps TE's fused-norm parameter names.
+- otherwise megatron's local spec with ``SDPACoreAttention`` in place of DotProductAttention (whose score buffer
+  and default causal mask are allocated on CUDA, and which materialises the [b, np, s, s] scores: on a GPU the
+  SDPA spec trained ~1.7x faster, see shared/notes/ENVIRONMENT.md).
+- GLM-4 adds norms on the attention and MLP outputs before each residual add. The layer applies
+  ``bda(training, fused)(sublayer_out_with_bias, residual, dropout_p)`` exactly there, so a bias-dropout-add
+  module that norms first (``PostNormBiasDropoutAdd``) expresses them in the spec, for the local and TE specs
+  alike; parameters: ``decoder.layers.N.{self_attn,mlp}_bda.norm.weight``.
+"""
+
+from contextlib import nullcontext
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+
+class SDPACoreAttention(MegatronModule):
+    """Causal (or masked) attention on torch's scaled_dot_product_attention; GQA via enable_gqa (no K/V repeat).
+
+    Takes megatron's layout: query [s, b, heads, d], key/value [s, b, groups, d] (this TP rank's heads), and an
+    optional boolean mask broadcastable to [b, 1, s, s] with True = masked out. Returns [s, b, heads * d].
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError("SDPACoreAttention has no context parallelism (train.cp=1, or TransformerEngine)")
+        self.attn_mask_type = attn_mask_type
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPACoreAttention takes padded [s, b] batches without attention bias")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        mask = None
+        if attention_mask is not None:
+            mask = ~attention_mask.bool()
+            if causal:
+                sq, sk = q.shape[2], k.shape[2]
+                mask = mask & torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            causal = False
+        dropout = self.dropout if self.training else 0.0
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else nullcontext():
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=self.scale,
+                enable_gqa=q.shape[1] != k.shape[1])
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class HFRotaryEmbedding(RotaryEmbedding):
+    """Megatron's RoPE with transformers' inverse frequencies, kept on the model's device.
+
+    The stock module rebuilds inv_freq from (base, rotary_percent, llama3 scaling with fixed constants) and moves it
+    to CUDA on every call; this one takes the exact HF frequencies (any rope_type without attention scaling) and
+    stays where it was built. A frequency vector shorter than head_dim / 2 gives partial RoPE (GLM-4)."""
+
+    def __init__(self, inv_freq: torch.Tensor, rotary_interleaved: bool):
+        super().__init__(kv_channels=2 * inv_freq.numel(), rotary_percent=1.0, rotary_interleaved=rotary_interleaved,
+                         use_cpu_initialization=True)
+        self.inv_freq = inv_freq
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [s, rotary_dim / 2]
+        if self.rotary_interleaved:  # f0 f0 f1 f1 ... pairs (x0, x1), (x2, x3) rotate together
+            emb = freqs.repeat_interleave(2, dim=-1)
+        else:  # f0 f1 ... f0 f1 ...: x_i rotates with x_{i + d/2}
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]
+
+
+class PostNormBiasDropoutAdd(torch.nn.Module):
+    """GLM-4's sandwich norm: residual + RMSNorm(sublayer output), in the layer's bias-dropout-add slot."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+
+    def forward(self, training: bool, fused: bool):
+        inner = get_bias_dropout_add(training, fused)
+
+        def apply(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            if bias is not None:
+                raise ValueError("a sublayer bias before the post-norm is not part of GLM-4")
+            return inner((self.norm(x), None), residual, prob)
+
+        return apply
+
+
+def layer_spec(arch, config, use_te: bool) -> ModuleSpec:
+    """One decoder layer's spec for this architecture (see the module docstring for the choice)."""
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    # (both functions build a fresh spec on every call: editing it in place is safe)
+    spec.submodules.mlp.params = {**spec.submodules.mlp.params, "ffn_hidden_size": config.ffn_hidden_size}
+    if arch.sandwich_norm:
+        post_norm = ModuleSpec(module=PostNormBiasDropoutAdd,
+                               params={"hidden_size": config.hidden_size, "eps": config.layernorm_epsilon})
+        spec.submodules.self_attn_bda = post_norm
+        spec.submodules.mlp_bda = post_norm
+    return spec
+
+
+def block_spec(arch, config, use_te: bool) -> TransformerBlockSubmodules:
+    """All decoder layers plus the final norm (explicit, so it is torch's RMSNorm or TENorm, never apex's)."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    else:
+        final_norm = WrappedTorchNorm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(arch, config, use_te)] * config.num_layers,
+                                      layer_norm=final_norm)

@@ -1,0 +1,373 @@
+"""train=megatron on CPU with gloo: HF <-> Megatron conversion for every family (logits equal at TP1 and TP2,
+weights round-trip), vocab-parallel logprobs, TP2 == DP2 == TP1 == FSDP on the same batch, logprob alignment and
+the reference policy, resume exactness, HF export.
+
+Spawned processes cost ~10 s each on the 2-core machine, so three module-scoped runs compute everything and the
+tests assert on their results. Functions run on spawned ranks are module-level (pickled by name).
+On a GPU machine, ``python3 -m pytest -m gpu tests/train/test_megatron.py`` checks the CUDA path against HF (fp32
+logprobs; a bf16 step's loss and grad norm) and, with 2 GPUs, TP2 against DP2 over nccl.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from slime_hydra.model.config import ModelConfig
+from slime_hydra.train.config import TrainConfig
+from slime_hydra.train.megatron.convert import hf_to_megatron, megatron_to_hf, param_map, shard
+from slime_hydra.train.megatron.model import Arch
+from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
+from tests.train.harness import TINY, pg_loss, run_ranks, tiny_checkpoint, toy_batch
+
+FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
+CFG = dict(lr=1e-2, dtype="fp32", clip_grad=1.0)
+TRAIN_FAMILY = "qwen3"  # q/k norms: the one parameter whose gradient is partial on each TP rank
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    return {family: tiny_checkpoint(family) for family in FAMILIES}
+
+
+# ---- ranks' work --------------------------------------------------------------------------------------------
+def _logits_and_weights(path, tp):
+    """Full-vocabulary logits of a fixed batch and the exported HF weights, on a freshly loaded GPTModel."""
+    from megatron.core import parallel_state
+
+    from slime_hydra.train.megatron.convert import iter_hf_weights, load_hf_weights
+    from slime_hydra.train.megatron.model import build_model, transformer_config
+
+    arch = Arch.from_hf(AutoConfig.from_pretrained(path))
+    model = build_model(arch, transformer_config(arch, tp=tp))
+    load_hf_weights(model, path, arch)
+    model.eval()
+    ids = torch.randint(0, TINY.vocab_size, (3, 13), generator=torch.Generator().manual_seed(1))
+    group = parallel_state.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        local = model(ids, torch.arange(13).expand_as(ids), None)
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+    weights = {name: t.clone() for name, t in iter_hf_weights(model, arch, group)}
+    return ids, torch.cat(parts, dim=-1), weights
+
+
+def _convert_every_family(rank, world, paths):
+    from megatron.core import parallel_state
+
+    from slime_hydra.train.megatron.model import init_parallel
+
+    out = {}
+    for tp in (2, 1):  # tp=1 on 2 ranks: two data-parallel replicas
+        init_parallel(tp)
+        out[tp] = {family: _logits_and_weights(path, tp) for family, path in paths.items()}
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def _three_steps(backend, batch):
+    return [(float(m["pg_loss"]), m["grad_norm"]) for m in (backend.train_step(batch, pg_loss) for _ in range(3))]
+
+
+def _one_rank(rank, world, path):
+    from slime_hydra.train.fsdp import FSDPBackend
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    batch, out = toy_batch(), {}
+    megatron = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=8), total_steps=3)
+    out["megatron_hot"] = megatron.logprobs(batch, temperature=0.7, with_entropy=True)
+    out["tp1"] = _three_steps(megatron, batch)
+    split = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=3), total_steps=3)
+    out["tp1_micro3"] = _three_steps(split, batch)
+    fsdp = FSDPBackend(path, TrainConfig(**CFG, micro_batch_samples=8), total_steps=3)
+    out["fsdp_hot"] = fsdp.logprobs(batch, temperature=0.7, with_entropy=True)
+    out["fsdp"] = _three_steps(fsdp, batch)
+
+    policy = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=3), total_steps=2, keep_reference=True)
+    current, entropy = policy.logprobs(batch, "current", with_entropy=True)
+    ref0, _ = policy.logprobs(batch, "ref")
+    policy.train_step(batch, pg_loss)
+    after, _ = policy.logprobs(batch, "current")
+    ref1, _ = policy.logprobs(batch, "ref")
+    out["policy"] = current, entropy, ref0, after, ref1
+
+    out["refused"] = []
+    for bad in (dict(pp=2), dict(cp=2), dict(gradient_checkpointing=True), dict(megatron={"recompute_granularty": 1})):
+        try:
+            MegatronBackend(path, TrainConfig(**CFG, **bad), total_steps=1)
+            out["refused"].append(None)
+        except ValueError as error:
+            out["refused"].append(str(error))
+    return out
+
+
+def _two_ranks(rank, world, path, ckpt, export):
+    from megatron.core import parallel_state
+
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    out = {}
+    tp2 = MegatronBackend(path, TrainConfig(**CFG, tp=2, micro_batch_samples=8), total_steps=3)
+    assert (tp2.dp_rank, tp2.dp_size) == (0, 1)
+    out["tp2"] = _three_steps(tp2, toy_batch())
+
+    train = TrainConfig(**CFG, tp=2, micro_batch_samples=2)
+    full = MegatronBackend(path, train, total_steps=6, keep_reference=True)
+    batch = toy_batch()
+    losses = [float(full.train_step(batch, pg_loss)["pg_loss"]) for _ in range(2)]
+    full.save(ckpt)
+    losses += [float(full.train_step(batch, pg_loss)["pg_loss"]) for _ in range(2)]
+    resumed = MegatronBackend(path, train, total_steps=6, keep_reference=True)
+    resumed.load(ckpt)
+    out["resume"] = losses, [float(resumed.train_step(batch, pg_loss)["pg_loss"]) for _ in range(2)], resumed.step
+    out["resume_ref"] = full.logprobs(batch, "ref")[0], resumed.logprobs(batch, "ref")[0]
+
+    out["weights"] = {name: t.clone() for name, t in full.iter_full_weights()}
+    full.export_hf(export)
+    out["logp"] = full.logprobs(batch)[0]
+    out["replicated"] = {n: p.detach().clone() for n, p in full.model.named_parameters() if n not in full._tp_split}
+
+    parallel_state.destroy_model_parallel()
+    dp2 = MegatronBackend(path, TrainConfig(**CFG, tp=1, micro_batch_samples=2), total_steps=3)
+    out["dp"] = (dp2.dp_rank, dp2.dp_size)
+    out["dp2"] = _three_steps(dp2, toy_batch().select(list(range(dp2.dp_rank, 8, dp2.dp_size))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(checkpoints):
+    return run_ranks(2, _convert_every_family, checkpoints)
+
+
+@pytest.fixture(scope="module")
+def one_rank(checkpoints):
+    return run_ranks(1, _one_rank, checkpoints[TRAIN_FAMILY])[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("megatron")
+    return run_ranks(2, _two_ranks, checkpoints[TRAIN_FAMILY], tmp / "ckpt", tmp / "hf"), tmp / "hf"
+
+
+# ---- conversion -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_logits_equal_hf_logits(converted, checkpoints, family, tp):
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[family], dtype=torch.float32)
+    for rank in range(2):
+        ids, logits, _ = converted[rank][tp][family]
+        with torch.no_grad():
+            expected = hf(ids).logits
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_round_trip_hf_megatron_hf(converted, checkpoints, family, tp):
+    original = AutoModelForCausalLM.from_pretrained(checkpoints[family], dtype=torch.float32).state_dict()
+    for rank in range(2):
+        weights = converted[rank][tp][family][2]
+        assert set(weights) == set(original)
+        for name, tensor in original.items():
+            assert torch.equal(weights[name], tensor), (family, tp, name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_conversion_shards_and_unshards_for_any_tp(checkpoints, family):
+    path = checkpoints[family]
+    arch = Arch.from_hf(AutoConfig.from_pretrained(path))
+    assert arch == Arch.from_model_config(ModelConfig(**{**TINY.__dict__, "family": family}))
+    hf = load_file(path / "model.safetensors")
+    if arch.tie_word_embeddings:
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    for tp in (1, 2, 4):  # tp=4 > num_kv_heads=2: groups split across ranks
+        per_rank = [hf_to_megatron(hf, arch, r, tp) for r in range(tp)]
+        assert all(per_rank[r][n].shape == per_rank[0][n].shape for r in range(tp) for n in per_rank[0])
+        back = megatron_to_hf(per_rank, arch)
+        assert set(back) == set(hf)
+        assert all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+def test_qkv_rows_interleave_per_query_group_and_gate_up_halves_per_rank():
+    arch = replace(Arch.from_model_config(TINY), head_dim=1)
+    qkv = next(p for p in param_map(arch) if p.kind == "qkv")
+    q = torch.tensor([[10.0], [11.0], [12.0], [13.0]])  # 4 heads of width 1; 2 kv groups -> 2 q heads per group
+    k, v = torch.tensor([[20.0], [21.0]]), torch.tensor([[30.0], [31.0]])
+    assert shard(qkv, [q, k, v], arch, 0, 2).flatten().tolist() == [10, 11, 20, 30]  # group 0: q0 q1 k0 v0
+    assert shard(qkv, [q, k, v], arch, 1, 2).flatten().tolist() == [12, 13, 21, 31]
+    fc1 = next(p for p in param_map(arch) if p.kind == "gate_up")
+    gate, up = torch.arange(4.0).unsqueeze(1), torch.arange(10.0, 14.0).unsqueeze(1)
+    assert shard(fc1, [gate, up], arch, 1, 2).flatten().tolist() == [2, 3, 12, 13]  # [gate rows; up rows] of rank 1
+
+
+def test_families_megatron_cannot_express_are_refused():
+    from slime_hydra.model.hf import hf_config
+
+    for family, overrides, words in (("qwen3", dict(attention_bias=True), "o_proj"),
+                                     ("llama", dict(mlp_bias=True), "mlp_bias"),
+                                     ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                     "rope_theta": 1e4}), "attention scaling")):
+        with pytest.raises(ValueError, match=words):
+            Arch.from_hf(hf_config(ModelConfig(**{**TINY.__dict__, "family": family}), **overrides))
+
+
+def test_vocab_parallel_logprobs_and_entropy_match_log_softmax():
+    logits = torch.randn(5, 7, 11, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (5, 7))
+    logp, entropy = vocab_parallel_logprobs(logits, targets, 0, None, with_entropy=True)
+    log_probs = torch.log_softmax(logits, -1)
+    expected_logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    expected_entropy = -(log_probs.exp() * log_probs).sum(-1)
+    torch.testing.assert_close(logp, expected_logp)
+    torch.testing.assert_close(entropy, expected_entropy)
+    weights = torch.randn(2, 5, 7, dtype=torch.float64)
+    got = torch.autograd.grad((weights[0] * logp + weights[1] * entropy).sum(), logits)[0]
+    want = torch.autograd.grad((weights[0] * expected_logp + weights[1] * expected_entropy).sum(), logits)[0]
+    torch.testing.assert_close(got, want)
+
+
+# ---- the backend ------------------------------------------------------------------------------------------
+def _close(got, want, rel):
+    """[(loss, grad_norm)] per step, each within rel (relative) of the reference."""
+    return len(got) == len(want) and all(abs(a - b) <= rel * abs(b) for g, w in zip(got, want) for a, b in zip(g, w))
+
+
+def test_tp2_dp2_and_micro_batches_equal_tp1_on_the_same_batch(one_rank, two_ranks):
+    two_ranks, _ = two_ranks
+    tp1 = one_rank["tp1"]
+    for name, got in (("tp2", two_ranks[0]["tp2"]), ("dp2", two_ranks[0]["dp2"]), ("micro3", one_rank["tp1_micro3"])):
+        assert _close(got[:1], tp1[:1], 1e-5), (name, got, tp1)  # the same weights and batch: fp32 rounding only
+        assert _close(got, tp1, 1e-4), (name, got, tp1)  # two more Adam steps on top
+    assert two_ranks[0]["tp2"] == two_ranks[1]["tp2"]  # TP peers report the same loss and norm
+    assert two_ranks[0]["dp"] == (0, 2) and two_ranks[1]["dp"] == (1, 2)
+    assert tp1[2][0] < tp1[0][0]  # the policy-gradient loss falls
+
+
+def test_megatron_and_fsdp_agree(one_rank):
+    assert _close(one_rank["tp1"], one_rank["fsdp"], 1e-2)
+    assert _close(one_rank["tp1"][:1], one_rank["fsdp"][:1], 1e-5)
+    (m_logp, m_ent), (f_logp, f_ent) = one_rank["megatron_hot"], one_rank["fsdp_hot"]  # temperature 0.7
+    torch.testing.assert_close(m_logp, f_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(m_ent, f_ent, atol=1e-5, rtol=0)
+
+
+def test_logprobs_align_with_a_plain_forward_and_reference_is_the_initial_policy(one_rank, checkpoints):
+    current, entropy, ref0, after, ref1 = one_rank["policy"]
+    batch = toy_batch()
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[TRAIN_FAMILY], dtype=torch.float32)
+    for i in range(batch.size):  # by hand: logits at position p+j-1 predict token p+j
+        n, p = int(batch.attention_mask[i].sum()), int(batch.response_start[i])
+        ids = batch.input_ids[i, :n].unsqueeze(0)
+        with torch.no_grad():
+            logp_all = torch.log_softmax(model(ids).logits[0].float(), -1)
+        expected = torch.stack([logp_all[p + j - 1, ids[0, p + j]] for j in range(n - p)])
+        torch.testing.assert_close(current[i, : n - p], expected, atol=1e-5, rtol=0)
+        assert torch.all(current[i, n - p:] == 0)
+        probs = logp_all[p - 1 : n - 1].exp()
+        torch.testing.assert_close(entropy[i, : n - p], -(probs * logp_all[p - 1 : n - 1]).sum(-1), atol=1e-5, rtol=0)
+    assert torch.equal(current, ref0)  # step 0: kl = 0 exactly
+    assert (after - current).abs().max() > 1e-3  # training moved the policy ...
+    assert torch.equal(ref1, ref0)  # ... and the reference stayed the initial one
+
+
+def test_checkpoint_resume_reproduces_the_next_steps_exactly(two_ranks):
+    two_ranks, _ = two_ranks
+    for rank in range(2):
+        losses, resumed, step = two_ranks[rank]["resume"]
+        assert resumed == losses[2:]  # bitwise equal losses after resume
+        assert step == 4
+        ref_full, ref_resumed = two_ranks[rank]["resume_ref"]
+        assert torch.equal(ref_full, ref_resumed)
+
+
+def test_export_hf_and_full_weights_match_the_trained_model(two_ranks, checkpoints):
+    two_ranks, export = two_ranks
+    weights, logp = two_ranks[0]["weights"], two_ranks[0]["logp"]
+    for name, tensor in two_ranks[0]["replicated"].items():  # norms stay identical on the TP peers
+        assert torch.equal(tensor, two_ranks[1]["replicated"][name]), name
+    assert two_ranks[0]["replicated"], "expected replicated norm parameters"
+    exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    state = exported.state_dict()
+    assert set(weights) == set(state)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(state[name], tensor, atol=0, rtol=0)
+    original = AutoModelForCausalLM.from_pretrained(checkpoints[TRAIN_FAMILY], dtype=torch.float32).state_dict()
+    assert any(not torch.equal(original[n], weights[n]) for n in weights)  # trained, not the initial weights
+    batch = toy_batch()  # the exported model reproduces the trained policy's logprobs
+    for i in range(batch.size):
+        n, p = int(batch.attention_mask[i].sum()), int(batch.response_start[i])
+        ids = batch.input_ids[i, :n].unsqueeze(0)
+        with torch.no_grad():
+            logp_all = torch.log_softmax(exported(ids).logits[0], -1)
+        expected = torch.stack([logp_all[p + j - 1, ids[0, p + j]] for j in range(n - p)])
+        torch.testing.assert_close(logp[i, : n - p], expected, atol=1e-5, rtol=0)
+
+
+def test_unsupported_settings_are_refused_with_the_fix(one_rank):
+    pp, cp, recompute, passthrough = one_rank["refused"]
+    assert "train.pp=2" in pp and "train.cp=2" in cp
+    assert "gradient_checkpointing=false" in recompute
+    assert "recompute_granularty" in passthrough
+
+
+# ---- GPU (python3 -m pytest -m gpu tests/train/test_megatron.py on the GPU machine) -------------------------
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_one_rank(rank, world, path):
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    batch = toy_batch()
+    fp32 = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=8), total_steps=1)
+    logp, entropy = fp32.logprobs(batch, with_entropy=True)
+    bf16 = MegatronBackend(path, TrainConfig(**{**CFG, "dtype": "bf16"}, micro_batch_samples=4), total_steps=1)
+    metrics = bf16.train_step(batch, pg_loss)
+    return logp, entropy, (float(metrics["pg_loss"]), metrics["grad_norm"]), fp32.model.config.transformer_impl
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_logprobs_and_bf16_step_match_hf(checkpoints, family):
+    """fp32 logprobs and entropy equal HF's; a bf16 (autocast) step's loss and grad norm within 2% of HF's."""
+    from slime_hydra.train.batch import response_logprobs
+
+    logp, entropy, (loss, grad_norm), impl = run_ranks(1, _gpu_one_rank, checkpoints[family])[0]
+    batch = toy_batch()
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[family], dtype=torch.float32).cuda()
+    with torch.no_grad():
+        hf = model(input_ids=batch.input_ids.cuda(), attention_mask=batch.attention_mask.cuda()).logits
+        want_logp, want_entropy = response_logprobs(hf, batch.to("cuda"), with_entropy=True)
+    torch.testing.assert_close(logp, want_logp.cpu(), atol=1e-4, rtol=0)
+    torch.testing.assert_close(entropy, want_entropy.cpu(), atol=1e-4, rtol=0)
+    total, want_loss = float(batch.loss_mask.sum()), 0.0
+    for idx in ([0, 1, 2, 3], [4, 5, 6, 7]):  # the backend's micro-batches, the same units weighting
+        mb = batch.select(idx).to("cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        weighted = pg_loss(response_logprobs(out, mb)[0], None, mb)[0] * float(mb.loss_mask.sum()) / total
+        weighted.backward()
+        want_loss += float(weighted)
+    want_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    assert abs(loss - want_loss) <= 0.02 * abs(want_loss), (loss, want_loss)
+    assert abs(grad_norm - want_norm) <= 0.02 * want_norm, (grad_norm, want_norm)
+    assert impl in ("local", "transformer_engine")
+
+
+def _gpu_tp(rank, world, path, tp):
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    backend = MegatronBackend(path, TrainConfig(**CFG, tp=tp, micro_batch_samples=2), total_steps=3)
+    return _three_steps(backend, toy_batch().select(list(range(backend.dp_rank, 8, backend.dp_size))))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_tp2_equals_dp2(checkpoints):
+    tp2 = run_ranks(2, _gpu_tp, checkpoints[TRAIN_FAMILY], 2)[0]
+    dp2 = run_ranks(2, _gpu_tp, checkpoints[TRAIN_FAMILY], 1)[0]
+    assert _close(tp2[:1], dp2[:1], 1e-4), (tp2, dp2)
+    assert _close(tp2, dp2, 1e-3), (tp2, dp2)
