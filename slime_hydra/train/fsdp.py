@@ -19,7 +19,7 @@ them into the parameters, runs the forward, and copies the trained shards back (
 import json
 import os
 import random
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from slime_hydra.train.batch import TrainBatch, loss_units, micro_batches, response_logprobs, response_values
 from slime_hydra.train.config import TrainConfig
+from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.optim import build_optimizer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -68,7 +69,7 @@ class FSDPBackend:
         peak = train.critic_lr if role == "critic" else train.lr
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), train, total_steps, peak)
         self.step = 0
-        self._ref_shards = self._local_shards(to_host=True) if keep_reference else None
+        self._ref_shards = host_copy(self._local_shards()) if keep_reference else None
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _forward(self, mb: TrainBatch, temperature: float, with_entropy: bool):
@@ -86,7 +87,7 @@ class FSDPBackend:
         For the critic this returns the values V(s_j) instead (see ``values``)."""
         if policy == "ref" and self._ref_shards is None:
             raise ValueError("no reference policy kept: construct with keep_reference=True")
-        with self._swapped_in(self._ref_shards) if policy == "ref" else _nothing():
+        with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext():
             self.model.eval()
             logp = torch.zeros(batch.loss_mask.shape)
             ent = torch.zeros(batch.loss_mask.shape) if with_entropy else None
@@ -186,29 +187,9 @@ class FSDPBackend:
         self._ref_shards = local["ref"]
 
     # ---- reference swap ---------------------------------------------------------------------------------------
-    def _local_shards(self, to_host: bool) -> dict[str, torch.Tensor]:
-        """This rank's shard of every parameter, by name (on the host when to_host: a copy)."""
-        shards = {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in self.model.named_parameters()}
-        return {n: s.detach().to("cpu", copy=True) for n, s in shards.items()} if to_host else shards
-
-    @contextmanager
-    def _swapped_in(self, shards: dict[str, torch.Tensor]):
-        trained = self._local_shards(to_host=True)
-        live = self._local_shards(to_host=False)
-        with torch.no_grad():
-            for name, ref in shards.items():
-                live[name].copy_(ref)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, mine in trained.items():
-                    live[name].copy_(mine)
-
-
-@contextmanager
-def _nothing():
-    yield
+    def _local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every parameter, by name."""
+        return {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in self.model.named_parameters()}
 
 
 def rng_state() -> dict:

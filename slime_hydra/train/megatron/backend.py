@@ -31,7 +31,7 @@ context parallelism (cp > 1; the SDPA core attention has none), MoE (ep > 1), th
 """
 
 import json
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -41,6 +41,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime_hydra.train.batch import TrainBatch, predicting_positions, loss_units, micro_batches
 from slime_hydra.train.config import TrainConfig
+from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.fsdp import rng_state, set_rng_state
 from slime_hydra.train.megatron.convert import iter_hf_weights, load_hf_weights, param_map
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
@@ -100,7 +101,7 @@ class MegatronBackend:
                          if train.dtype == "bf16" and self.device.type == "cuda" else nullcontext())
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), train, total_steps, train.lr)
         self.step = 0
-        self._ref_shards = self._local_shards(to_host=True) if keep_reference else None
+        self._ref_shards = host_copy(self._local_shards()) if keep_reference else None
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _forward(self, mb: TrainBatch, temperature: float, with_entropy: bool):
@@ -125,7 +126,7 @@ class MegatronBackend:
         """[B, T] logprobs (and entropy) of the response tokens under the current or the reference policy."""
         if policy == "ref" and self._ref_shards is None:
             raise ValueError("no reference policy kept: construct with keep_reference=True")
-        with self._swapped_in(self._ref_shards) if policy == "ref" else nullcontext():
+        with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext():
             self.model.eval()
             logp = torch.zeros(batch.loss_mask.shape)
             ent = torch.zeros(batch.loss_mask.shape) if with_entropy else None
@@ -233,7 +234,7 @@ class MegatronBackend:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         rank = dist.get_rank()
         if self.dp_rank == 0:
-            torch.save({"model": self._local_shards(to_host=True), "optim": self.optimizer.state_dict(),
+            torch.save({"model": host_copy(self._local_shards()), "optim": self.optimizer.state_dict(),
                         "ref": self._ref_shards}, ckpt_dir / f"tp{self.tp_rank}.pt")
         torch.save({"rng": rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()},
                    ckpt_dir / f"rank{rank}.pt")
@@ -252,7 +253,7 @@ class MegatronBackend:
             raise ValueError(f"checkpoint {ckpt_dir} was saved by {meta['world']} ranks at tp={meta['tp']}; this run "
                              f"has {dist.get_world_size()} ranks at tp={self.tp_size}")
         shards = torch.load(ckpt_dir / f"tp{self.tp_rank}.pt", map_location="cpu", weights_only=False)
-        live = self._local_shards(to_host=False)
+        live = self._local_shards()
         with torch.no_grad():
             for name, saved in shards["model"].items():
                 live[name].copy_(saved)
@@ -265,21 +266,6 @@ class MegatronBackend:
         tensor_parallel.get_cuda_rng_tracker().set_states(local["tracker"])
 
     # ---- reference swap ---------------------------------------------------------------------------------------
-    def _local_shards(self, to_host: bool) -> dict[str, torch.Tensor]:
-        """This rank's shard of every parameter, by name (on the host when to_host: a copy)."""
-        shards = dict(self.model.named_parameters())
-        return {n: s.detach().to("cpu", copy=True) for n, s in shards.items()} if to_host else shards
-
-    @contextmanager
-    def _swapped_in(self, shards: dict[str, torch.Tensor]):
-        trained = self._local_shards(to_host=True)
-        live = self._local_shards(to_host=False)
-        with torch.no_grad():
-            for name, ref in shards.items():
-                live[name].copy_(ref)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, mine in trained.items():
-                    live[name].copy_(mine)
+    def _local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every parameter, by name."""
+        return dict(self.model.named_parameters())
