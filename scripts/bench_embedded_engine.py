@@ -1,0 +1,98 @@
+"""Decode throughput of the embedded engine: BATCH concurrent /generate requests of NEW_TOKENS tokens each.
+
+    OMP_NUM_THREADS=1 python scripts/bench_embedded_engine.py            # the tests' tiny Qwen2, CPU
+    python scripts/bench_embedded_engine.py --batch 32 --new-tokens 64 --threads 2
+
+Builds a random-init Qwen2 checkpoint (default: the rollout tests' shape, 2 layers, hidden 64, vocab 64) in a temp
+dir, starts the engine as a subprocess (``--max-batch-size`` = batch), warms it up, then times REPEATS rounds of
+BATCH concurrent requests (sampling at temperature 1, ``ignore_eos`` so every request makes exactly NEW_TOKENS
+tokens) and prints generated tokens per second of wall time, as seen by the client. For scale it also times
+``model.generate`` on the same batch in this process (no HTTP, no scheduler).
+"""
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from slime_hydra.model.config import ModelConfig
+from slime_hydra.model.hf import build_random_checkpoint
+from slime_hydra.rollout.client import SGLangClient
+from slime_hydra.rollout.engines import start_embedded_engine
+
+
+async def engine_threads(url: str) -> int:
+    async with SGLangClient(url) as client:
+        return (await client.server_info())["torch_threads"]
+
+
+async def one_round(url: str, prompts: list[list[int]], new_tokens: int) -> float:
+    params = {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    async with SGLangClient(url, timeout_s=600) as client:
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(client.generate(p, params) for p in prompts))
+        elapsed = time.perf_counter() - start
+    assert all(len(o["output_ids"]) == new_tokens for o in outs)
+    return elapsed
+
+
+@torch.no_grad()
+def hf_generate_seconds(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="engine torch threads (default: the engine's)")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench_engine_"))
+    shape = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, num_kv_heads=2,
+                        ffn_hidden_size=2 * args.hidden, vocab_size=args.vocab, max_position_embeddings=4096,
+                        tie_word_embeddings=False)
+    model_dir = build_random_checkpoint(shape, work / "model", seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, args.vocab, (args.batch, args.prompt_tokens), generator=g).tolist()
+
+    extra = ["--num-threads", str(args.threads)] if args.threads else []
+    engine = start_embedded_engine(str(model_dir), device=args.device, max_batch_size=args.batch,
+                                   extra_args=extra, log_path=work / "engine.log")
+    try:
+        threads = asyncio.run(engine_threads(engine.url))
+        asyncio.run(one_round(engine.url, prompts, 8))  # warm-up
+        times = [asyncio.run(one_round(engine.url, prompts, args.new_tokens)) for _ in range(args.repeats)]
+    finally:
+        engine.stop()
+    tokens = args.batch * args.new_tokens
+    torch.set_num_threads(threads)  # the same thread count as the engine: a like-for-like reference
+    hf = hf_generate_seconds(model_dir, prompts, args.new_tokens)
+    print(f"model: Qwen2 {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, {args.device}, "
+          f"engine torch threads {threads}")
+    print(f"embedded engine, {args.batch} concurrent requests x {args.new_tokens} new tokens "
+          f"({args.prompt_tokens}-token prompts): rounds {', '.join(f'{t:.2f}s' for t in times)}")
+    print(f"  -> {tokens / statistics.median(times):,.0f} tokens/s (median round), "
+          f"{tokens / min(times):,.0f} tokens/s (best round)")
+    print(f"reference: HF model.generate, same batch in-process, same threads: {tokens / hf:,.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Child processes that serve HTTP (engines, the router): start with a log file, wait until healthy, stop cleanly.
+
+Each child runs in its own session, so ``stop`` signals exactly the process group this object started (SIGTERM, then
+SIGKILL after a grace period) and nothing else on the machine.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def http_status(url: str, timeout_s: float = 2.0) -> Optional[int]:
+    """GET ``url`` and return the status code; None when nothing answers (refused, reset, timed out)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+class ManagedProcess:
+    """One child process with stdout+stderr in ``log_path``; ``stop`` ends it and its process group."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Optional[Path] = None,
+                 env: Optional[Mapping[str, str]] = None):
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix=f"{name}_")) / f"{name}.log"
+        self.env = dict(os.environ if env is None else env)
+        self.popen: Optional[subprocess.Popen] = None
+
+    def start(self) -> "ManagedProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env=self.env, start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.popen.pid if self.popen else None
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[-n_chars:]
+
+    def wait_until(self, ready: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.2) -> None:
+        """Poll ``ready()`` until true; RuntimeError with the log tail if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive:
+                code = self.popen.returncode if self.popen else None
+                raise RuntimeError(f"{self.name} exited (code {code}) before {what}; log {self.log_path}:\n"
+                                   f"{self.log_tail()}")
+            if ready():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not {what} after {timeout_s:.0f} s; log {self.log_path}:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(poll_s)
+
+    def stop(self, grace_s: float = 10.0) -> Optional[int]:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``; return the exit code (None if never started).
+
+        Signals go to the group only while its leader is alive (unreaped), so the group id cannot have been reused.
+        """
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.popen.wait(timeout=grace_s)
+        return self.popen.returncode
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class EngineProcess(ManagedProcess):
+    """An embedded engine server (``python -m slime_hydra.rollout.engines.embedded``) on ``host:port``."""
+
+    def __init__(self, model_path: str, host: str = "127.0.0.1", port: Optional[int] = None, device: str = "cpu",
+                 dtype: str = "auto", max_batch_size: int = 64, extra_args: Sequence[str] = (),
+                 log_path: Optional[Path] = None, env: Optional[Mapping[str, str]] = None):
+        self.host = host
+        self.port = port or free_port(host)
+        argv = [sys.executable, "-m", "slime_hydra.rollout.engines.embedded", "--model-path", str(model_path),
+                "--host", host, "--port", str(self.port), "--device", device, "--dtype", dtype,
+                "--max-batch-size", str(max_batch_size), *extra_args]
+        super().__init__(f"engine_{self.port}", argv, log_path, env)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> "EngineProcess":
+        self.wait_until(lambda: http_status(f"{self.url}/health") == 200, timeout_s, "healthy")
+        return self
+
+
+def start_embedded_engine(model_path: str, timeout_s: float = 180.0, **kwargs) -> EngineProcess:
+    """Start an embedded engine (EngineProcess arguments) and return it once ``GET /health`` answers 200."""
+    engine = EngineProcess(model_path, **kwargs).start()
+    try:
+        return engine.wait_healthy(timeout_s)
+    except BaseException:
+        engine.stop()
+        raise

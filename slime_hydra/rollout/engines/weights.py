@@ -1,0 +1,151 @@
+"""Weight-transfer helpers shared by the trainer side and the embedded engine.
+
+Two transports move a trainer's weights into running engines without going through disk:
+
+- **distributed**: the trainer's rank 0 and every engine join one extra process group (``init_weight_update_group``;
+  trainer rank 0, engine ranks ``rank_offset + i``), then the trainer broadcasts each tensor from rank 0 in the order
+  named in the engine's ``/update_weights_from_distributed`` request (``send_named_tensors`` / ``recv_named_tensors``).
+  The group is built on a ``tcp://master_address:master_port`` rendezvous store wrapped in ``PrefixStore(group_name)``
+  and torch's process-group helper, which is the layout SGLang engines use, so one trainer-side code path serves both
+  engine kinds. gloo on CPU, nccl on GPU.
+- **tensor payload**: ``/update_weights_from_tensor`` carries ``serialized_named_tensors``, a list with one string per
+  engine tensor-parallel rank (the embedded engine has one). Here each string is the base64 text of a safetensors
+  blob (``encode_named_tensors``): portable, no pickle, so nothing in a request can run code. Real SGLang expects its
+  own serialisation (CUDA IPC handles of a colocated trainer) in that field; this format is the embedded engine's.
+
+Dtype names travel as torch's names without the ``torch.`` prefix (``bfloat16``); both spellings are accepted.
+
+Sockets: gloo binds to the address the hostname resolves to and NCCL to the first non-loopback interface (unless
+``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` say otherwise); in containers either can be an address the peers
+cannot reach. A loopback master address means the whole group is on one host, so then (and only when those
+variables are unset) the group is built on the loopback interface; NCCL connects eagerly, while the choice is in
+force. Multi-host groups keep the library defaults: set those variables as for any gloo/NCCL job.
+"""
+
+import base64
+import ipaddress
+import os
+import socket
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the spelling used in update requests)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` or ``"torch.bfloat16"`` -> ``torch.bfloat16``; ValueError for anything that is not a dtype."""
+    value = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} (expected a torch dtype name such as 'bfloat16' or 'float32')")
+    return value
+
+
+def _items(named: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    return list(named.items()) if isinstance(named, Mapping) else list(named)
+
+
+def encode_named_tensors(named: NamedTensors) -> str:
+    """Named tensors -> base64 text of one safetensors blob (tensors are copied to CPU, made contiguous)."""
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in _items(named)}
+    return base64.b64encode(safetensors_save(tensors)).decode("ascii")
+
+
+def decode_named_tensors(payload: str) -> dict[str, torch.Tensor]:
+    """Inverse of ``encode_named_tensors``; ValueError with the cause when the payload is not such a blob."""
+    try:
+        return safetensors_load(base64.b64decode(payload, validate=True))
+    except Exception as exc:  # binascii.Error, safetensors' SafetensorError: both mean a malformed payload
+        raise ValueError(f"serialized_named_tensors entry is not base64 safetensors: {exc}") from exc
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+@contextmanager
+def _loopback_sockets(enabled: bool) -> Iterator[None]:
+    """Point unset GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME at the loopback interface for the duration."""
+    names = [n for _, n in socket.if_nameindex()] if enabled else []
+    loopback = next((n for n in names if n == "lo" or n.startswith("lo")), None)
+    added = [var for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if loopback and var not in os.environ]
+    for var in added:
+        os.environ[var] = loopback
+    try:
+        yield
+    finally:
+        for var in added:
+            os.environ.pop(var, None)
+
+
+def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
+                             group_name: str = "weight_update_group", backend: str = "gloo",
+                             timeout_s: float = 300.0,
+                             device: Optional[Union[str, torch.device]] = None) -> dist.ProcessGroup:
+    """Join (or, as rank 0, host) the weight-update process group; blocks until all ``world_size`` ranks joined.
+
+    Works with or without a default process group in this process (a trainer rank has one, an engine does not).
+    Collectives on the returned group take *group* ranks (the trainer is 0). device: this rank's CUDA device for
+    nccl (default: the current one); the NCCL communicator is connected on it before returning.
+    """
+    # The private helper is what builds a group on an explicit store; SGLang builds its side the same way, and the
+    # key layout of the store has to match for the ranks to find each other.
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+
+    timeout = timedelta(seconds=timeout_s)
+    extra = {}
+    if backend == "nccl":
+        cuda = torch.device(device) if device is not None else torch.device("cuda")
+        if cuda.type != "cuda":
+            raise ValueError(f"backend nccl needs a CUDA device, not {cuda}; use gloo on CPU")
+        extra["device_id"] = cuda if cuda.index is not None else torch.device("cuda", torch.cuda.current_device())
+    with _loopback_sockets(_is_loopback(master_address)):
+        store, rank, world_size = next(dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                                       timeout=timeout))
+        store.set_timeout(timeout)
+        group, _ = _new_process_group_helper(world_size, rank, [], backend, dist.PrefixStore(group_name, store),
+                                             group_name=group_name, timeout=timeout, **extra)
+    # Group ranks are global ranks here: this group is not a subset of a default world.
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_weight_update_group(group: dist.ProcessGroup) -> None:
+    """Leave a group made by ``init_weight_update_group``."""
+    dist.destroy_process_group(group)
+
+
+def send_named_tensors(group: dist.ProcessGroup, named: NamedTensors) -> None:
+    """Trainer side: broadcast each tensor from group rank 0, in order (the order of the request's ``names``)."""
+    for _, tensor in _items(named):
+        dist.broadcast(tensor.contiguous(), src=0, group=group)
+
+
+def recv_named_tensors(group: dist.ProcessGroup, names: Sequence[str], dtypes: Sequence[str],
+                       shapes: Sequence[Sequence[int]],
+                       device: Union[str, torch.device] = "cpu") -> dict[str, torch.Tensor]:
+    """Engine side: receive the tensors rank 0 broadcasts, allocated from the request's names/dtypes/shapes lists."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"names/dtypes/shapes differ in length: {len(names)}/{len(dtypes)}/{len(shapes)}")
+    if len(set(names)) != len(names):
+        raise ValueError("names repeat a tensor name; each broadcast needs its own name")
+    # Every buffer is allocated (every dtype checked) before the first broadcast: failing half-way would leave the
+    # sender blocked in a broadcast nobody joins.
+    received = {name: torch.empty([int(s) for s in shape], dtype=dtype_from_name(dtype), device=device)
+                for name, dtype, shape in zip(names, dtypes, shapes)}
+    for buffer in received.values():
+        dist.broadcast(buffer, src=0, group=group)
+    return received

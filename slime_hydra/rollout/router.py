@@ -1,0 +1,158 @@
+"""The real sglang-router as a child process: start it empty, add and remove engines at runtime, stop it.
+
+The router starts with no workers (``--worker-urls`` is never passed): engines come and go through its runtime API,
+``POST /workers {"url"}`` (202, a ``worker_id``) and ``DELETE /workers/{worker_id}``. Its ``/health`` answers 200
+before any worker is registered, so readiness is ``GET /readiness`` (``healthy_workers``). Everything binds
+127.0.0.1 unless told otherwise, the Prometheus exporter included (its default is 0.0.0.0).
+
+Known router behaviour (sglang-router 0.3.2): it probes a new worker over gRPC before HTTP (the embedded engine
+drops the resulting parser errors from its log), asks it for ``/server_info`` and ``/model_info``, tries to fetch a
+tokenizer for ``model_path`` from the hub (offline: one warning), re-serialises ``/generate`` bodies keeping only the
+fields it knows (a batch cannot carry a list of rids), and passes responses through unchanged.
+
+The admin calls here are synchronous (urllib): they are rare, and callers in async code can wrap them in
+``asyncio.to_thread``.
+"""
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+from slime_hydra.rollout.engines.process import ManagedProcess, free_port, http_status
+
+POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
+
+
+class RouterError(RuntimeError):
+    """The router refused an admin call or did not reach the expected state in time."""
+
+
+class Router:
+    """One sglang-router process.
+
+    port / prometheus_port: None picks free ports. policy: a sglang-router load-balancing policy.
+    health_check_interval_s: seconds between the router's health checks of each worker (3 failures in a row mark a
+    worker unhealthy). log_level: the router's own (debug | info | warn | error). extra_args: more router flags.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: Optional[int] = None, prometheus_port: Optional[int] = None,
+                 policy: str = "round_robin", health_check_interval_s: int = 5, log_level: str = "warn",
+                 log_path: Optional[Path] = None, extra_args: Sequence[str] = (),
+                 env: Optional[Mapping[str, str]] = None):
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r}; sglang-router knows {POLICIES}")
+        self.host = host
+        self.port = port or free_port(host)
+        self.prometheus_port = prometheus_port or free_port(host)
+        self.policy = policy
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(self.port),
+                "--prometheus-host", host, "--prometheus-port", str(self.prometheus_port), "--policy", policy,
+                "--health-check-interval-secs", str(health_check_interval_s), "--log-level", log_level,
+                *extra_args]
+        self.process = ManagedProcess(f"router_{self.port}", argv, log_path, env)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "Router":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self, timeout_s: float = 60.0) -> "Router":
+        """Start the process and return once its HTTP server answers (it has no workers yet)."""
+        self.process.start()
+        try:
+            self.process.wait_until(lambda: http_status(f"{self.url}/health") == 200, timeout_s, "serving")
+        except BaseException:
+            self.process.stop()
+            raise
+        return self
+
+    def stop(self, grace_s: float = 10.0) -> Optional[int]:
+        """SIGTERM, then SIGKILL after ``grace_s``; return the exit code."""
+        return self.process.stop(grace_s)
+
+    # -- admin API --------------------------------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, payload: Optional[dict] = None, timeout_s: float = 10.0):
+        data = json.dumps(payload).encode() if payload is not None else None
+        request = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
+                                         headers={"Content-Type": "application/json"} if data else {})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+                return resp.status, _decode(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, _decode(exc.read())
+        except (urllib.error.URLError, OSError) as exc:
+            raise RouterError(f"{method} {self.url}{path}: router not reachable ({exc}); log {self.process.log_path}:"
+                              f"\n{self.process.log_tail(2000)}") from exc
+
+    def workers(self) -> list[dict]:
+        """The router's worker list (each with id, url, is_healthy, load, ...)."""
+        status, body = self._call("GET", "/workers")
+        if status != 200:
+            raise RouterError(f"GET /workers -> {status}: {body}")
+        return body.get("workers", [])
+
+    def add_worker(self, url: str) -> str:
+        """Register an engine URL; return its worker_id (registration finishes in the background: wait_ready)."""
+        status, body = self._call("POST", "/workers", {"url": url})
+        if status not in (200, 201, 202) or not isinstance(body, dict) or "worker_id" not in body:
+            raise RouterError(f"POST /workers {url} -> {status}: {body}")
+        return body["worker_id"]
+
+    def remove_worker(self, url: str, timeout_s: float = 30.0) -> None:
+        """Deregister the worker at ``url`` and wait until the router no longer lists it."""
+        matches = [w["id"] for w in self.workers() if w.get("url") == url]
+        if not matches:
+            raise RouterError(f"no worker with url {url}; workers: {[w.get('url') for w in self.workers()]}")
+        for worker_id in matches:
+            status, body = self._call("DELETE", f"/workers/{urllib.parse.quote(worker_id, safe='')}")
+            if status not in (200, 202, 204):
+                raise RouterError(f"DELETE /workers/{worker_id} -> {status}: {body}")
+        self._wait(lambda: all(w.get("url") != url for w in self.workers()), timeout_s, f"{url} removed")
+
+    def readiness(self) -> dict:
+        """GET /readiness: {"status", "healthy_workers", "total_workers"} (or a reason when not ready)."""
+        _, body = self._call("GET", "/readiness")
+        return body if isinstance(body, dict) else {"status": str(body)}
+
+    def wait_ready(self, min_healthy: int = 1, timeout_s: float = 60.0) -> dict:
+        """Wait until at least ``min_healthy`` workers are healthy; return the last readiness answer."""
+        last: dict = {}
+
+        def ready() -> bool:
+            nonlocal last
+            last = self.readiness()
+            return int(last.get("healthy_workers", 0)) >= min_healthy
+
+        self._wait(ready, timeout_s, lambda: f"{min_healthy} healthy workers (last readiness: {last})")
+        return last
+
+    def _wait(self, done: Callable[[], bool], timeout_s: float, what: Union[str, Callable[[], str]],
+              poll_s: float = 0.2) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            describe = what() if callable(what) else what
+            if not self.process.alive:
+                raise RouterError(f"router exited before {describe}; log {self.process.log_path}:\n"
+                                  f"{self.process.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RouterError(f"router: no {describe} within {timeout_s:.0f} s; log {self.process.log_path}:\n"
+                                  f"{self.process.log_tail()}")
+            time.sleep(poll_s)
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return raw.decode(errors="replace")

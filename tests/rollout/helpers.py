@@ -1,0 +1,98 @@
+"""Tiny random Qwen2 checkpoints and reference computations (plain HF forward passes) for the rollout tests."""
+
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+VOCAB = 64
+EOS_PROMPT = [5, 9, 13]
+"""The prompt whose greedy continuation (under seed 0 weights) reaches the EOS token chosen in build_models."""
+EOS_AT = 5
+"""EOS is the token greedy decoding of EOS_PROMPT emits at this output index (or earlier, if it appears before)."""
+
+
+def build_model(out_dir: Path, seed: int, eos_token_id=None) -> Path:
+    """2 layers, hidden 64, 4 heads, 2 KV heads, vocab 64, fp32, random init from ``seed``; saved with safetensors."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=4096,
+                         eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = eos_token_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return Path(out_dir)
+
+
+def load(model_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def build_models(root: Path) -> tuple[Path, Path, int]:
+    """Two checkpoints with different weights (seeds 0 and 1) sharing one EOS id that seed 0 actually emits."""
+    probe = load(build_model(root / "probe", seed=0))
+    greedy = reference_greedy(probe, EOS_PROMPT, EOS_AT + 1)
+    eos = greedy[EOS_AT]
+    return build_model(root / "policy_a", 0, eos), build_model(root / "policy_b", 1, eos), eos
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n argmax tokens, each from a full forward pass over everything so far (no cache, no EOS)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@torch.no_grad()
+def hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """``model.generate(do_sample=False)`` (stops at the checkpoint's EOS, which it includes)."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def reference_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0):
+    """(response logprobs, prompt logprobs from token 1) under log_softmax(logits / temperature), one forward pass."""
+    ids = torch.tensor([prompt + response])
+    logp = torch.log_softmax(model(ids).logits[0].float() / temperature, dim=-1)
+    targets = ids[0, 1:]
+    per_token = logp[:-1].gather(1, targets[:, None])[:, 0]
+    return per_token[len(prompt) - 1:].tolist(), per_token[:len(prompt) - 1].tolist()
+
+
+def tokens(resp: dict) -> list[int]:
+    return resp["output_ids"]
+
+
+def logprobs(resp: dict) -> list[float]:
+    return [item[0] for item in resp["meta_info"]["output_token_logprobs"]]
+
+
+def mean_abs_diff(a, b) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return float(torch.tensor(a, dtype=torch.float64).sub(torch.tensor(b, dtype=torch.float64)).abs().mean())
+
+
+def send_weights(master_port: int, model_dir: str, world_size: int = 2, backend: str = "gloo",
+                 device: str = "cpu", group_name: str = "weight_update_group") -> None:
+    """Trainer stand-in (run in its own process): host the weight-update group as rank 0, broadcast every tensor of
+    ``model_dir`` (moved to ``device``) in sorted-name order, then wait for a line on stdin before leaving."""
+    from slime_hydra.rollout.engines.embedded import read_checkpoint
+    from slime_hydra.rollout.engines.weights import (
+        destroy_weight_update_group, init_weight_update_group, send_named_tensors,
+    )
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    named = {name: t.to(device) for name, t in read_checkpoint(model_dir).items()}
+    group = init_weight_update_group("127.0.0.1", master_port, rank=0, world_size=world_size,
+                                     group_name=group_name, backend=backend, timeout_s=60,
+                                     device=device if device.startswith("cuda") else None)
+    send_named_tensors(group, [(name, named[name]) for name in sorted(named)])
+    print("sent", flush=True)
+    sys.stdin.readline()
+    destroy_weight_update_group(group)

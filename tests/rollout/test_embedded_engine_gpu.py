@@ -1,0 +1,135 @@
+"""The embedded engine on CUDA (run on a GPU machine: python -m pytest -m gpu tests/rollout): greedy tokens and
+logprobs against a CPU forward pass, batching, seeded sampling on the device generator, memory release that really
+frees GPU memory, and a gloo broadcast into CUDA buffers (nccl too when a second GPU is there).
+
+Written without pytest-asyncio (the GPU image lacks it): each test drives its client with asyncio.run."""
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime_hydra.rollout.client import SGLangClient
+from slime_hydra.rollout.engines import free_port, start_embedded_engine
+from slime_hydra.rollout.engines.embedded import read_checkpoint
+from slime_hydra.rollout.engines.weights import dtype_name
+from tests.rollout.helpers import (
+    build_models, load, logprobs, mean_abs_diff, reference_greedy, reference_logprobs, tokens,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [[7], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5], [60, 61, 62]]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    a, b, eos = build_models(tmp_path_factory.mktemp("gpu_models"))
+    return {"a": a, "b": b, "model_a": load(a), "model_b": load(b)}
+
+
+@pytest.fixture(scope="module")
+def engine(models, tmp_path_factory):
+    proc = start_embedded_engine(str(models["a"]), device="cuda:0", dtype="float32", max_batch_size=4,
+                                 log_path=tmp_path_factory.mktemp("gpu_engine") / "engine.log")
+    yield proc
+    proc.stop()
+    assert not proc.alive
+
+
+def run(coro_fn, url):
+    async def main():
+        async with SGLangClient(url, timeout_s=120) as client:
+            return await coro_fn(client)
+    return asyncio.run(main())
+
+
+def test_greedy_logprobs_and_batching_on_cuda(engine, models):
+    async def body(c):
+        alone = [await c.generate(p, {**GREEDY, "max_new_tokens": 24}, return_logprob=True) for p in PROMPTS]
+        together = await asyncio.gather(*(c.generate(p, {**GREEDY, "max_new_tokens": 24}, return_logprob=True)
+                                          for p in PROMPTS + PROMPTS))
+        return alone, together, await c.server_info()
+
+    alone, together, info = run(body, engine.url)
+    assert info["device"] == "cuda:0" and info["internal_states"][0]["peak_running_reqs"] == 4
+    for prompt, resp in zip(PROMPTS, alone):
+        assert tokens(resp) == reference_greedy(models["model_a"], prompt, 24)
+        ref, _ = reference_logprobs(models["model_a"], prompt, tokens(resp))
+        assert mean_abs_diff(logprobs(resp), ref) < 1e-4
+    for a, b in zip(alone + alone, together):
+        assert tokens(a) == tokens(b) and mean_abs_diff(logprobs(a), logprobs(b)) < 1e-5
+
+
+def test_seeded_sampling_on_cuda(engine):
+    params = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 5}
+
+    async def body(c):
+        alone = await c.generate(PROMPTS[1], params)
+        together = await asyncio.gather(c.generate(PROMPTS[1], params),
+                                        *(c.generate(p, {"temperature": 1.0, "max_new_tokens": 20}) for p in PROMPTS))
+        return alone, together[0]
+
+    alone, batched = run(body, engine.url)
+    assert tokens(alone) == tokens(batched)
+
+
+def test_release_frees_gpu_memory(engine, models):
+    async def body(c):
+        before = (await c.server_info())["memory_allocated_bytes"]
+        await c.release_memory_occupation()
+        released = (await c.server_info())["memory_allocated_bytes"]
+        await c.resume_memory_occupation()
+        after = (await c.server_info())["memory_allocated_bytes"]
+        out = await c.generate(PROMPTS[2], {**GREEDY, "max_new_tokens": 16})
+        return before, released, after, out
+
+    before, released, after, out = run(body, engine.url)
+    weight_bytes = sum(t.numel() * t.element_size() for t in models["model_a"].parameters())
+    assert before - released >= weight_bytes * 0.9 and after >= before - 1024
+    assert tokens(out) == reference_greedy(models["model_a"], PROMPTS[2], 16)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_distributed_update_into_cuda(engine, models, backend):
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("nccl needs the sender on a second GPU")
+    port = free_port()
+    weights = read_checkpoint(str(models["b"]))
+    names = sorted(weights)
+    group = f"g_{backend}"
+    device = "cuda:1" if backend == "nccl" else "cpu"
+    sender_code = (f"from tests.rollout.helpers import send_weights; send_weights({port}, {str(models['b'])!r}, "
+                   f"backend={backend!r}, device={device!r}, group_name={group!r})")
+    sender = subprocess.Popen([sys.executable, "-c", sender_code], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"})
+
+    async def body(c):
+        await c.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2, backend=backend,
+                                          group_name=group)
+        await c.update_weights_from_distributed(names, [dtype_name(weights[n].dtype) for n in names],
+                                                [list(weights[n].shape) for n in names], group_name=group,
+                                                weight_version=f"{backend}-1")
+        out = await c.generate(PROMPTS[2], {**GREEDY, "max_new_tokens": 16})
+        sender.stdin.write("done\n")
+        sender.stdin.flush()
+        await c.destroy_weights_update_group(group)
+        await c.update_weights_from_disk(str(models["a"]), weight_version="0")
+        return out
+
+    try:
+        out = run(body, engine.url)
+        assert out["meta_info"]["weight_version"] == f"{backend}-1"
+        assert tokens(out) == reference_greedy(models["model_b"], PROMPTS[2], 16)
+        assert sender.wait(timeout=60) == 0, sender.stdout.read()
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait()
