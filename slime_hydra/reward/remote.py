@@ -1,0 +1,53 @@
+"""A reward server: POST {"response", "label", "metadata"} -> a float, a dict, or {"reward": x}.
+
+Each request has ``reward.timeout_s``; a failure (connection error, timeout, HTTP status >= 400, a body that is
+not a reward) is retried ``reward.max_retries`` times, waiting ``backoff_s``, then twice that, and so on. After
+the last attempt a ``RemoteRewardError`` names the URL, the attempts and the last error: a run does not go on
+with rewards silently missing.
+"""
+
+import asyncio
+from typing import Any, Optional
+
+import aiohttp
+
+
+class RemoteRewardError(RuntimeError):
+    pass
+
+
+class RemoteReward:
+    def __init__(self, url: str, timeout_s: float = 30.0, max_retries: int = 3, backoff_s: float = 1.0):
+        self.url, self.timeout_s, self.max_retries, self.backoff_s = url, timeout_s, max_retries, backoff_s
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    async def __call__(self, response: str, label: Any, metadata: dict) -> float | dict:
+        payload = {"response": response, "label": label, "metadata": metadata}
+        last: Exception | None = None
+        for attempt in range(1 + self.max_retries):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                return await self._post(payload)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+                last = error
+        raise RemoteRewardError(f"reward server {self.url}: {1 + self.max_retries} attempts failed; last error: "
+                                f"{type(last).__name__}: {last}")
+
+    async def _post(self, payload: dict) -> float | dict:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with self._session.post(self.url, json=payload, timeout=timeout) as resp:
+            if resp.status >= 400:
+                raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            body = await resp.json(content_type=None)
+        if isinstance(body, bool) or not isinstance(body, (int, float, dict)):
+            raise ValueError(f"the reply is not a reward (a number or a dict): {body!r}")
+        if isinstance(body, dict) and set(body) == {"reward"}:
+            return float(body["reward"])
+        return float(body) if isinstance(body, (int, float)) else body
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
