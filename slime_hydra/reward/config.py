@@ -15,7 +15,7 @@ class RewardConfig:
     url: Optional[str] = None
     """remote only: the reward server's URL (POST {response, label, metadata})."""
     timeout_s: float = 30.0
-    """remote only: per-request timeout in seconds."""
+    """Seconds one call may take: remote, per request (then retried); others, a call still running scores 0."""
     max_retries: int = 3
     """remote only: attempts after the first failure before the run fails."""
     backoff_s: float = 1.0

@@ -13,13 +13,16 @@ import aiohttp
 
 
 class RemoteRewardError(RuntimeError):
-    pass
+    """The reward server failed every attempt."""
 
 
 class RemoteReward:
+    """``await RemoteReward(url, ...)(response, label, metadata)`` -> float | dict (see the module docstring)."""
+
     def __init__(self, url: str, timeout_s: float = 30.0, max_retries: int = 3, backoff_s: float = 1.0):
         self.url, self.timeout_s, self.max_retries, self.backoff_s = url, timeout_s, max_retries, backoff_s
         self._session: Optional[aiohttp.ClientSession] = None
+        self._session_loop: Optional[asyncio.AbstractEventLoop] = None
 
     async def __call__(self, response: str, label: Any, metadata: dict) -> float | dict:
         payload = {"response": response, "label": label, "metadata": metadata}
@@ -31,12 +34,14 @@ class RemoteReward:
                 return await self._post(payload)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
                 last = error
-        raise RemoteRewardError(f"reward server {self.url}: {1 + self.max_retries} attempts failed; last error: "
-                                f"{type(last).__name__}: {last}")
+        detail = str(last) or f"no reply within reward.timeout_s={self.timeout_s}"
+        raise RemoteRewardError(f"reward server {self.url}: {1 + self.max_retries} attempts failed "
+                                f"(reward.max_retries={self.max_retries}); last error: {type(last).__name__}: {detail}")
 
     async def _post(self, payload: dict) -> float | dict:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session, self._session_loop = aiohttp.ClientSession(), loop  # a session belongs to one loop
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with self._session.post(self.url, json=payload, timeout=timeout) as resp:
             if resp.status >= 400:
@@ -49,5 +54,6 @@ class RemoteReward:
         return float(body) if isinstance(body, (int, float)) else body
 
     async def close(self) -> None:
-        if self._session is not None:
+        if self._session is not None and self._session_loop is asyncio.get_running_loop():
             await self._session.close()
+        self._session = None

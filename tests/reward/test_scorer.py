@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from aiohttp import web
 
-from slime_hydra.reward import RemoteRewardError, RewardScorer, get_reward_fn, group_reward
+from slime_hydra.reward import RemoteRewardError, RewardScorer, get_reward_fn, group_reward, scalar_reward
 from slime_hydra.reward.config import RewardConfig
 
 CALLS = {"group": 0}
@@ -89,7 +89,7 @@ async def test_remote_retries_then_succeeds():
 
 async def test_remote_gives_up_after_the_last_retry_naming_url_and_attempts():
     async with Server(failures=100) as server:
-        with pytest.raises(RemoteRewardError, match=rf"{server.url}: 3 attempts failed; last error: .*500"):
+        with pytest.raises(RemoteRewardError, match=rf"{server.url}: 3 attempts failed .*; last error: .*500"):
             await remote(server.url, max_retries=2).score_group(["a"], ["a"], [{}])
         assert server.requests == 3
 
@@ -109,8 +109,87 @@ async def test_remote_dict_and_wrapped_replies():
         assert await remote(server.url).score_group(["a"], ["b"], [{}]) == [0.25]
 
 
+async def test_remote_reply_that_is_not_a_reward_fails_clearly():
+    async with Server(reply=["not", "a", "reward"]) as server:
+        with pytest.raises(RemoteRewardError, match="not a reward"):
+            await remote(server.url, max_retries=0).score_group(["a"], ["b"], [{}])
+        assert server.requests == 1
+
+
+async def test_remote_backoff_doubles():
+    async with Server(failures=3) as server:
+        start = time.monotonic()
+        scorer = RewardScorer(RewardConfig(name="remote", url=server.url, max_retries=3, backoff_s=0.1))
+        assert await scorer.score_group(["a"], ["a"], [{}]) == [1.0]
+        assert server.requests == 4 and time.monotonic() - start >= 0.1 + 0.2 + 0.4
+        await scorer.close()
+
+
 def test_remote_needs_a_url():
     with pytest.raises(ValueError, match="reward.url"):
         RewardScorer(RewardConfig(name="remote"))
 
 
+
+
+def hangs(response, label, metadata):
+    time.sleep(1.0)
+    return 1.0
+
+
+@group_reward
+def group_hangs(responses, labels, metadatas):
+    time.sleep(1.0)
+    return [1.0] * len(responses)
+
+
+async def test_a_sync_reward_past_timeout_scores_zero():
+    scorer = RewardScorer(RewardConfig(name="custom", target="tests.reward.test_scorer.hangs", timeout_s=0.1))
+    assert await scorer.score_group(["a", "b"], [None] * 2, [{}] * 2) == [0.0, 0.0] and scorer.timeouts == 2
+    group = RewardScorer(RewardConfig(name="custom", target="tests.reward.test_scorer.group_hangs", timeout_s=0.1))
+    assert await group.score_group(["a", "b", "c"], [None] * 3, [{}] * 3) == [0.0] * 3 and group.timeouts == 1
+
+
+async def coroutine_reward(response, label, metadata):
+    await asyncio.sleep(0.2)
+    return {"score": float(response == label), "acc": response == label}
+
+
+async def test_async_custom_reward_runs_on_the_loop_concurrently():
+    scorer = RewardScorer(RewardConfig(name="custom", target="tests.reward.test_scorer.coroutine_reward",
+                                       max_concurrency=8))
+    start = time.monotonic()
+    out = await scorer.score_batch([(["a", "b"], ["a", "a"], [{}, {}])] * 4)
+    assert time.monotonic() - start < 0.6 and out == [[{"score": 1.0, "acc": True}, {"score": 0.0, "acc": False}]] * 4
+
+
+async def test_max_concurrency_bounds_calls_in_flight():
+    scorer = RewardScorer(RewardConfig(name="custom", target="tests.reward.test_scorer.slow", max_concurrency=2))
+    start = time.monotonic()
+    await scorer.score_group(["x"] * 4, [None] * 4, [{}] * 4)
+    assert time.monotonic() - start >= 0.4                           # 4 calls of 0.2 s, two at a time
+
+
+@group_reward
+def wrong_length(responses, labels, metadatas):
+    return [1.0]
+
+
+async def test_group_reward_of_the_wrong_length_is_an_error():
+    scorer = RewardScorer(RewardConfig(name="custom", target="tests.reward.test_scorer.wrong_length"))
+    with pytest.raises(ValueError, match="returned 1 rewards for 2 responses"):
+        await scorer.score_group(["a", "b"], [None] * 2, [{}] * 2)
+
+
+def test_dapo_scorer_gives_dicts_and_scalar_reward_reads_the_key():
+    scorer = RewardScorer(RewardConfig(name="dapo", reward_key="score"))
+    out = asyncio.run(scorer.score_group(["Answer: 4", "Answer: 5"], ["4", "4"], [{}, {}]))
+    assert [scalar_reward(r, "score") for r in out] == [1.0, -1.0]
+
+
+def test_scalar_reward():
+    assert scalar_reward(0.5) == 0.5 and scalar_reward(1) == 1.0 and scalar_reward({"score": -1.0}, "score") == -1.0
+    with pytest.raises(KeyError, match="reward.reward_key=None"):
+        scalar_reward({"score": 1.0})
+    with pytest.raises(KeyError, match=r"keys \['acc', 'score'\] and reward.reward_key='reward'"):
+        scalar_reward({"score": 1.0, "acc": True}, "reward")

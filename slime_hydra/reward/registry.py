@@ -1,0 +1,75 @@
+"""Reward functions by name: ``get_reward_fn(reward.name, reward.target)``, ``@group_reward``, ``scalar_reward``."""
+
+import difflib
+import importlib
+from typing import Any, Callable, Optional
+
+from slime_hydra.reward.dapo import dapo_reward
+from slime_hydra.reward.exact_match import exact_match_reward
+from slime_hydra.reward.f1 import f1_reward
+from slime_hydra.reward.gpqa import gpqa_reward
+from slime_hydra.reward.math import deepscaler_reward, math_reward
+from slime_hydra.reward.random import random_reward
+from slime_hydra.reward.remote import RemoteReward
+
+RewardFn = Callable[[str, Any, dict], Any]
+
+BUILTINS: dict[str, RewardFn] = {
+    "math": math_reward, "dapo": dapo_reward, "deepscaler": deepscaler_reward, "f1": f1_reward,
+    "gpqa": gpqa_reward, "exact_match": exact_match_reward, "random": random_reward,
+}
+NAMES = (*BUILTINS, "remote", "custom")
+"""Every valid reward.name."""
+
+
+def group_reward(fn: Callable) -> Callable:
+    """Mark ``fn(responses, labels, metadatas) -> list[float | dict]`` as scoring a whole group in one call."""
+    fn.group_reward = True
+    return fn
+
+
+def is_group_reward(fn: Callable) -> bool:
+    return bool(getattr(fn, "group_reward", False))
+
+
+def get_reward_fn(name: str, target: Optional[str] = None, **remote_options) -> RewardFn:
+    """The reward function for reward.name: a built-in, ``remote`` (remote_options are RemoteReward's: url,
+    timeout_s, max_retries, backoff_s) or ``custom`` (the function at the dotted path ``target``)."""
+    if name in BUILTINS:
+        return BUILTINS[name]
+    if name == "remote":
+        if not remote_options.get("url"):
+            raise ValueError("reward.name=remote needs reward.url=http://host:port/path")
+        return RemoteReward(**remote_options)
+    if name == "custom":
+        return _import_target(target)
+    nearest = difflib.get_close_matches(str(name), NAMES, n=1, cutoff=0.0)
+    hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
+    raise ValueError(f"reward.name={name!r} is not a reward; choose one of {', '.join(NAMES)}{hint}")
+
+
+def _import_target(target: Optional[str]) -> RewardFn:
+    if not target:
+        raise ValueError("reward.name=custom needs reward.target=<module.function>")
+    module_name, _, attr = target.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"reward.target={target!r} cannot be imported ({type(error).__name__}: {error}); give a "
+                         "dotted path module.function importable where the rollout runs") from error
+    if not callable(fn):
+        raise ValueError(f"reward.target={target!r} is a {type(fn).__name__}, not a callable "
+                         "fn(response, label, metadata)")
+    return fn
+
+
+def scalar_reward(reward: Any, reward_key: Optional[str] = None) -> float:
+    """The reward as one float: a number itself, or ``reward[reward_key]`` when the reward is a dict."""
+    if isinstance(reward, dict):
+        if reward_key is None or reward_key not in reward:
+            raise KeyError(f"the reward is a dict with keys {sorted(reward)} and reward.reward_key={reward_key!r}; "
+                           "set reward.reward_key to the key holding the scalar")
+        return float(reward[reward_key])
+    if reward is None:
+        raise ValueError("the reward is None (not scored)")
+    return float(reward)
