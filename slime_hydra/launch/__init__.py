@@ -64,6 +64,11 @@ def launch(dict_cfg: DictConfig) -> None:
         console.print("dry run: config valid, nothing started.", markup=False)
         return
     write_provenance(run_dir, dict_cfg, _overrides())
-    # The RL loop and SLURM submission are open issues: a real run stops here, after validation and the plan.
-    console.print(f"config valid; provenance written to {run_dir}. The RL loop is not built yet, so nothing was "
-                  "trained or submitted (see README: What works today).", markup=False)
+    if cfg.cluster.scheduler == "slurm":
+        console.print(f"config valid; provenance written to {run_dir}. SLURM submission is not built yet, so nothing "
+                      "was submitted (see README: What works today).", markup=False)
+        return
+    from slime_hydra.loop import run
+
+    outcome = run(cfg, run_dir)
+    console.print(f"{outcome}: {run_dir}", markup=False)

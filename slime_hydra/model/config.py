@@ -45,6 +45,9 @@ class ModelConfig:
     moe_ffn_hidden_size: Optional[int] = None
     """Intermediate width of one routed expert; null for dense models."""
 
+    sft_warm_start_steps: int = 0
+    """Built tiny model only (path null): SFT steps on the task's generated answers before RL (0: none)."""
+
     @property
     def kv_channels(self) -> int:
         """Per-head width actually used (head_dim, or hidden_size / num_attention_heads)."""

@@ -13,6 +13,27 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from slime_hydra.model.config import ModelConfig
 
 
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer, as the class its tokenizer_config.json declares when that is the generic fast one.
+
+    transformers 5's AutoTokenizer picks the tokenizer class from config.json's model_type (a qwen2 model gets
+    Qwen2Tokenizer, whose byte-level pre-tokenizer drops the tiny model's newline token) even when
+    tokenizer_config.json names ``PreTrainedTokenizerFast``; every part of slime_hydra loads tokenizers here so
+    the tiny tokenizer comes back exactly as it was saved (model/tiny.py).
+    """
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config_file = Path(path) / "tokenizer_config.json"
+    if config_file.exists() and json.loads(config_file.read_text()).get("tokenizer_class") == GENERIC_TOKENIZER:
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+GENERIC_TOKENIZER = "PreTrainedTokenizerFast"
+
+
 def hf_config(model: ModelConfig, **overrides) -> PretrainedConfig:
     """The transformers config of this architecture (dense families; MoE/MLA families are not built here)."""
     from transformers import Glm4Config, LlamaConfig, Qwen2Config, Qwen3Config
@@ -46,5 +67,7 @@ def build_random_checkpoint(model: ModelConfig, out_dir: Path, seed: int = 0, dt
     net = AutoModelForCausalLM.from_config(config, dtype=dtype)
     net.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+        from slime_hydra.model.tiny import save_tokenizer
+
+        save_tokenizer(tokenizer, out_dir)
     return out_dir

@@ -10,6 +10,8 @@ template is ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
 a leading system message, and ``<|im_start|>assistant\\n`` as the generation prompt.
 """
 
+import json
+from pathlib import Path
 from typing import Optional
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -36,7 +38,7 @@ def build_tiny_tokenizer(save_dir: Optional[str] = None) -> PreTrainedTokenizerF
     """The character tokenizer described in the module docstring (101 tokens: 5 special + 96 characters).
 
     save_dir: when given, the tokenizer is also written there with ``save_pretrained`` (tokenizer.json,
-    tokenizer_config.json with the chat template), so ``AutoTokenizer.from_pretrained(save_dir)`` loads the same
+    tokenizer_config.json with the chat template), so ``model.hf.load_tokenizer(save_dir)`` loads the same
     tokenizer; the directory is created if missing.
     """
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
@@ -51,5 +53,16 @@ def build_tiny_tokenizer(save_dir: Optional[str] = None) -> PreTrainedTokenizerF
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     if save_dir is not None:
-        tokenizer.save_pretrained(save_dir)
+        save_tokenizer(tokenizer, save_dir)
     return tokenizer
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, save_dir) -> None:
+    """save_pretrained, declaring the generic fast class so ``model.hf.load_tokenizer`` restores it exactly."""
+    from slime_hydra.model.hf import GENERIC_TOKENIZER
+
+    tokenizer.save_pretrained(save_dir)
+    config_file = Path(save_dir) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = GENERIC_TOKENIZER
+    config_file.write_text(json.dumps(config, indent=2))

@@ -34,16 +34,21 @@ class TrainRank:
             return ip, s.getsockname()[1]
 
     def setup(self, rank: int, world: int, master: tuple[str, int], backend: str, model_path: str,
-              train: TrainConfig, total_steps: int, loss_agg: str, keep_reference: bool) -> None:
+              train: TrainConfig, total_steps: int, loss_agg: str, keep_reference: bool, role: str,
+              torch_threads: int | None) -> None:
         from slime_hydra.train.fsdp import init_distributed
 
-        torch.set_num_threads(max(int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)), 1))
+        assigned = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
+        torch.set_num_threads(torch_threads or max(assigned, 1))
         init_distributed(rank, world, master_addr=master[0], master_port=master[1])
         if backend == "fsdp":
             from slime_hydra.train.fsdp import FSDPBackend as Backend
         else:
             from slime_hydra.train.megatron.backend import MegatronBackend as Backend
-        self.backend = Backend(model_path, train, total_steps, loss_agg=loss_agg, keep_reference=keep_reference)
+        kwargs = {"role": role} if role != "actor" else {}
+        self.backend = Backend(model_path, train, total_steps, loss_agg=loss_agg, keep_reference=keep_reference,
+                               **kwargs)
+        self.pusher = None
 
     def _share(self, batch: TrainBatch) -> tuple[list[int], TrainBatch]:
         rows = list(range(self.backend.dp_rank, batch.size, self.backend.dp_size))
@@ -61,22 +66,34 @@ class TrainRank:
         """Run a backend method by name on this rank (save, load, export_hf: all collective)."""
         return getattr(self.backend, method)(*args)
 
+    def connect_rollout(self, method: str, manager, bucket_mb: int, run_dir: str) -> None:
+        """Set up weight sync to the rollout manager's engines (weight_sync.py)."""
+        from slime_hydra.weight_sync import WeightPusher, engine_dtype
+
+        self.pusher = WeightPusher(self.backend, method, manager, bucket_mb, run_dir,
+                                   engine_dtype(self.backend.train_cfg.dtype))
+
+    def push_weights(self, version: int) -> dict:
+        return self.pusher.push(version)
+
 
 class TrainGroup:
     def __init__(self, pg: PlacementGroup, num_ranks: int, backend: str, model_path: str | Path, train: TrainConfig,
                  total_steps: int, loss_agg: str, keep_reference: bool, gpus_per_rank: float = 0.0,
-                 bundle_offset: int = 0):
+                 bundle_offset: int = 0, role: str = "actor", cpus_per_rank: float = 1.0,
+                 torch_threads: int | None = None):
+        """torch_threads: CPU threads of each rank's torch ops; None means the CPUs Ray assigned it."""
         actor_cls = ray.remote(TrainRank)
         self.ranks = [
             actor_cls.options(
-                num_cpus=0 if gpus_per_rank else 1, num_gpus=gpus_per_rank,
+                num_cpus=0 if gpus_per_rank else cpus_per_rank, num_gpus=gpus_per_rank,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_offset + i),
             ).remote()
             for i in range(num_ranks)
         ]
         master = ray.get(self.ranks[0].address.remote())
         ray.get([r.setup.remote(i, num_ranks, master, backend, str(model_path), train, total_steps, loss_agg,
-                                keep_reference) for i, r in enumerate(self.ranks)])
+                                keep_reference, role, torch_threads) for i, r in enumerate(self.ranks)])
 
     def logprobs(self, batch: TrainBatch, policy: str = "current", temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -97,6 +114,13 @@ class TrainGroup:
 
     def call(self, method: str, *args) -> list:
         return ray.get([r.call.remote(method, *args) for r in self.ranks])
+
+    def connect_rollout(self, method: str, manager, bucket_mb: int, run_dir: str) -> None:
+        ray.get([r.connect_rollout.remote(method, manager, bucket_mb, run_dir) for r in self.ranks])
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Weights of the current policy into every engine as ``version`` (weight_sync.py)."""
+        return ray.get([r.push_weights.remote(version) for r in self.ranks])[0]
 
     def shutdown(self) -> None:
         for r in self.ranks:

@@ -4,7 +4,9 @@ A backend calls ``loss_fn(logp_or_values, entropy, micro_batch) -> (mean loss ov
 metrics)``. These objects are small, picklable and built once per run from the algo config; they read the
 micro-batch's extras (response-aligned [B, T]):
 
-    ActorLoss:  advantages, old_logprobs; ref_logprobs when a KL term is on; rollout_logprobs when TIS is on
+    ActorLoss:  advantages, old_logprobs; ref_logprobs when a KL term is on; rollout_logprobs when TIS is on.
+                Without old_logprobs (one optimizer step per rollout: the policy that is trained is the one whose
+                logprobs would be recomputed) the forward's own detached logprobs are used, which equal them.
     CriticLoss: old_values, returns
 """
 
@@ -26,7 +28,7 @@ class ActorLoss:
     def __call__(self, logp: torch.Tensor, entropy: torch.Tensor | None, mb: TrainBatch):
         a, extras = self.algo, mb.extras
         loss, metrics = compute_policy_loss(
-            logp, extras["old_logprobs"], extras["advantages"], mb.loss_mask, policy_loss=a.policy_loss,
+            logp, extras["old_logprobs"] if "old_logprobs" in extras else logp.detach(), extras["advantages"], mb.loss_mask, policy_loss=a.policy_loss,
             ref_logp=extras.get("ref_logprobs"), rollout_logp=extras.get("rollout_logprobs"), entropy=entropy,
             eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
             kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef,

@@ -28,20 +28,22 @@ def to_train_batch(samples: Sequence[Sample], pad_id: int, reward_key: Optional[
                    [s.loss_mask for s in samples], pad_id=pad_id, extras=extras)
 
 
-def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_logprobs: torch.Tensor,
+def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_logprobs: Optional[torch.Tensor],
                    ref_logprobs: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None) -> None:
     """Store old_logprobs, ref_logprobs, advantages and returns (and values as old_values) in batch.extras.
 
     The KL of reward shaping (algo.kl_coef > 0) is k-estimator(old || ref) per token, computed here once.
+    old_logprobs may be None when the loss takes them from its own forward (``needs_old_logprobs`` is False).
     """
     extras = batch.extras
-    extras["old_logprobs"] = old_logprobs
+    if old_logprobs is not None:
+        extras["old_logprobs"] = old_logprobs
     if ref_logprobs is not None:
         extras["ref_logprobs"] = ref_logprobs
     kl = None
     if algo.kl_coef > 0:
-        if ref_logprobs is None:
-            raise ValueError("algo.kl_coef > 0 shapes the reward with KL to the reference: ref_logprobs needed")
+        if ref_logprobs is None or old_logprobs is None:
+            raise ValueError("algo.kl_coef > 0 shapes the reward with KL to the reference: old and ref logprobs needed")
         kl = compute_kl(old_logprobs, ref_logprobs, batch.loss_mask, kl_loss_type=algo.kl_loss_type)
     advantages, returns = compute_advantages(
         algo.advantage_estimator, rewards=extras["rewards"], loss_mask=batch.loss_mask,
@@ -51,3 +53,13 @@ def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_log
     extras["advantages"], extras["returns"] = advantages, returns
     if values is not None:
         extras["old_values"] = values
+
+
+def needs_old_logprobs(algo: AlgoConfig, optimizer_steps_per_rollout: int) -> bool:
+    """Whether old logprobs need their own forward pass before training.
+
+    With one optimizer step per rollout batch, every micro-batch is trained by the policy that generated the
+    advantages' batch, so old logprobs equal the training forward's (detached) and the extra pass is skipped
+    (ratio = 1 exactly, ppo_kl = 0). KL reward shaping (kl_coef) needs them before the advantages.
+    """
+    return optimizer_steps_per_rollout > 1 or algo.kl_coef > 0

@@ -71,9 +71,10 @@ def test_recipe_families_cover_every_model_family():
 def test_embedded_default_values_and_tiny_tuning():
     cfg, d = load()
     assert (cfg.model.name, cfg.algo.name, cfg.rollout.backend, cfg.train.backend) == ("tiny", "grpo", "embedded", "fsdp")
-    assert cfg.train.lr == 1e-4 and cfg.train.dtype == "fp32"  # conf/tuning/tiny.yaml applies for model=tiny ...
+    assert (cfg.train.lr, cfg.train.lr_decay_style, cfg.train.dtype, cfg.num_steps) == (2e-4, "cosine", "fp32", 140)
+    # ... conf/tuning/tiny.yaml applies for model=tiny ...
     big, _ = load("model=qwen3_8b", "model.path=/ckpt")
-    assert big.train.lr == 1e-6 and big.train.dtype == "bf16"  # ... and only for it
+    assert (big.train.lr, big.train.dtype, big.num_steps) == (1e-6, "bf16", 200)  # ... and only for it
     assert (d.samples_per_rollout, d.global_batch_samples, d.optimizer_steps_per_rollout) == (256, 256, 1)
     assert (d.dp, d.grad_accum_steps, d.total_gpus, d.nodes) == (1, 4, 2, 1)
 

@@ -9,6 +9,11 @@ import yaml
 from slime_hydra.config import PROJECT_ROOT
 
 
+FAST = ("num_steps=1", "model.sft_warm_start_steps=0", "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2",
+        "train.micro_batch_samples=4", "rollout.eval_every_steps=0", "tracking.progress=false")
+"""Overrides for a real run that finishes in seconds: one step of 4 samples from a random tiny model."""
+
+
 def launch(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(PROJECT_ROOT / "launch.py"), *args], capture_output=True, text=True,
                           timeout=120, cwd=cwd)
@@ -46,8 +51,10 @@ def test_invalid_config_exits_2_listing_every_problem(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_real_run_writes_provenance(tmp_path):
-    out = launch(f"output_dir={tmp_path}", "run_name=r1", "train.lr=3e-5")
+def test_real_run_writes_provenance(tmp_path, monkeypatch):
+    """A real run (one tiny step: the loop itself is tested in tests/loop) leaves its provenance."""
+    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path / "cache"))
+    out = launch(f"output_dir={tmp_path}", "run_name=r1", "train.lr=3e-5", *FAST)
     assert out.returncode == 0, out.stderr
     run = tmp_path / "r1"
     resolved = yaml.safe_load((run / "resolved.yaml").read_text())

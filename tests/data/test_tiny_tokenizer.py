@@ -3,8 +3,9 @@
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
+from slime_hydra.model.config import ModelConfig
+from slime_hydra.model.hf import build_random_checkpoint, load_tokenizer
 from slime_hydra.model.tiny import build_tiny_tokenizer
 
 
@@ -62,8 +63,9 @@ def test_chat_template_renders_tools_as_json(tok):
 
 
 def test_save_and_reload_gives_the_same_tokenizer(tmp_path, tok):
-    build_tiny_tokenizer(str(tmp_path / "tok"))
-    loaded = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    """Saved next to a qwen2 config.json (as in a checkpoint), where AutoTokenizer would swap in Qwen2Tokenizer."""
+    build_random_checkpoint(ModelConfig(), tmp_path / "tok", tokenizer=tok)
+    loaded = load_tokenizer(tmp_path / "tok")
     text = tok.apply_chat_template([{"role": "user", "content": "9+9="}], tokenize=False, add_generation_prompt=True)
     assert loaded.apply_chat_template([{"role": "user", "content": "9+9="}], tokenize=False,
                                       add_generation_prompt=True) == text

@@ -312,7 +312,9 @@ class Engine:
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_batch_size: int = 64,
                  context_length: Optional[int] = None, tokenizer_path: Optional[str] = None,
                  weight_version: str = "0", host: str = "127.0.0.1", port: int = 0):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        from slime_hydra.model.hf import load_tokenizer
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
@@ -327,7 +329,7 @@ class Engine:
         self.context_length = context_length or int(getattr(self.config.get_text_config(), "max_position_embeddings"))
 
         tok_dir = Path(tokenizer_path or self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir)) if _has_tokenizer(tok_dir) else None
+        self.tokenizer = load_tokenizer(tok_dir) if _has_tokenizer(tok_dir) else None
         self.tokenizer_path = str(tok_dir) if self.tokenizer is not None else None
         eos = [self.config.eos_token_id]
         if (Path(self.model_path) / "generation_config.json").exists():

@@ -1,0 +1,250 @@
+"""Ray over a SLURM allocation: one Ray node per task, the head on rank 0, torn down when the job ends.
+
+    with RayCluster(cfg.cluster) as ray_cluster:      inside a submitit job, on every task
+        if ray_cluster.is_head:
+            os.environ["RAY_ADDRESS"] = ray_cluster.address   # the job body runs as the Ray driver
+            body(...)
+        else:
+            ray_cluster.serve()                       # blocks until the head goes away
+
+- rank 0 runs ``ray start --head --block`` as a child process: GCS port ``cluster.ray_port + job_id % 1000``
+  (two jobs sharing a node do not collide), temp dir ``/tmp/ray_<job_id>`` (short: Ray's socket paths must stay
+  under ~107 characters), explicit ``--num-cpus``/``--num-gpus``, no dashboard;
+- every other rank waits for the head's port, then runs ``ray start --address <head>:<port> --block``;
+- the head waits for all ``num_tasks`` nodes, at most ``cluster.ray_wait_nodes_s``, and otherwise fails naming
+  the hosts that did not join;
+- the Ray processes get the job's environment minus the SLURM/PMI/PMIx/Open MPI/submitit variables: libraries
+  in Ray workers (torch.distributed launchers, MPI-aware NCCL plugins, Lightning, submitit) read SLURM_PROCID,
+  SLURM_NTASKS or PMI_RANK and believe they are one rank of the srun step. CUDA_VISIBLE_DEVICES stays: it is
+  SLURM's GPU binding;
+- teardown kills each ``ray start`` process group (SIGTERM, then SIGKILL after a grace period). If the job
+  process itself is SIGKILLed, ``ray start`` gets SIGKILL too (PR_SET_PDEATHSIG) and Ray's reaper takes its
+  process group down: nothing outlives the job, whatever SLURM's proctrack plugin. ``ray stop`` is never used:
+  it would stop every Ray on the node, other jobs' included.
+"""
+
+import collections
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from slime_hydra.cluster.config import ClusterConfig
+
+CLEARED_ENV_PREFIXES = ("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "PMI_", "PMIX_", "OMPI_", "SUBMITIT_")
+"""Variables removed from the environment of the Ray processes (and so of every actor)."""
+
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+"""Set for the Ray processes and the driver: bind to the given address; no token auth (ENVIRONMENT.md)."""
+
+STOP_GRACE_S = 5.0
+"""Seconds a ray start process group gets between SIGTERM and SIGKILL."""
+
+
+class RayBootstrapError(RuntimeError):
+    """Ray could not be brought up across the allocation (a node did not join, the head died)."""
+
+
+def ray_process_env(environ: Optional[dict] = None) -> dict:
+    """The environment for ``ray start``: the job's, minus the scheduler's rank variables, plus RAY_ENV."""
+    environ = dict(os.environ if environ is None else environ)
+    env = {k: v for k, v in environ.items() if not k.startswith(CLEARED_ENV_PREFIXES) and k != "RAY_ADDRESS"}
+    env.update(RAY_ENV)
+    return env
+
+
+def head_port(cluster: ClusterConfig, job_id: str) -> int:
+    """The head's GCS port: cluster.ray_port + job_id % 1000 (array task ids use their main job id)."""
+    return cluster.ray_port + int(str(job_id).split("_")[0]) % 1000
+
+
+def temp_dir_for(job_id: str) -> str:
+    """Ray's per-job temp dir, node-local and short (Unix socket paths are limited to ~107 characters)."""
+    return f"/tmp/ray_{job_id}"
+
+
+def missing_nodes(expected_hosts: Sequence[str], joined_hosts: Sequence[str]) -> list[str]:
+    """The expected hosts (one entry per task) with no Ray node yet; [] once enough nodes joined."""
+    if len(joined_hosts) >= len(expected_hosts):
+        return []
+    short = lambda h: h.split(".")[0]  # noqa: E731 - SLURM node names vs gethostname() may differ by the domain
+    missing = collections.Counter(map(short, expected_hosts)) - collections.Counter(map(short, joined_hosts))
+    return sorted(missing.elements()) or [f"{len(expected_hosts) - len(joined_hosts)} unnamed node(s)"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when the job process dies (Linux PR_SET_PDEATHSIG = 1)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class RayCluster:
+    """One Ray node per task of the current submitit job (see the module docstring)."""
+
+    def __init__(self, cluster: ClusterConfig, job_env=None):
+        import submitit
+
+        self.cluster = cluster
+        self.env = job_env if job_env is not None else submitit.JobEnvironment()
+        self.job_id = str(self.env.job_id)
+        self.rank = self.env.global_rank
+        self.is_head = self.rank == 0
+        self.head_host = self.env.hostnames[0]
+        self.head_ip = socket.gethostbyname(self.head_host)
+        self.port = head_port(cluster, self.job_id)
+        self.address = f"{self.head_ip}:{self.port}"
+        self.temp_dir = temp_dir_for(self.job_id)
+        self.proc: Optional[subprocess.Popen] = None
+        self.failed = False
+
+    # ---- resources -------------------------------------------------------------------------------------------
+    def num_cpus(self) -> int:
+        """cluster.cpus_per_node, else the CPUs SLURM gave this task, else the machine's."""
+        if self.cluster.cpus_per_node:
+            return self.cluster.cpus_per_node
+        for var in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
+            if os.environ.get(var, "").isdigit():
+                return int(os.environ[var])
+        return os.cpu_count() or 1
+
+    def expected_hosts(self) -> list[str]:
+        """One host name per task (block distribution: ranks fill a node before the next)."""
+        per_node = max(self.env.num_tasks // max(self.env.num_nodes, 1), 1)
+        return [host for host in self.env.hostnames for _ in range(per_node)][: self.env.num_tasks]
+
+    # ---- start / wait / serve / stop -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start this task's Ray node: the head on rank 0; elsewhere join once the head's port answers."""
+        os.environ.update(RAY_ENV)  # the driver (rank 0's job body) needs them too
+        node_ip = socket.gethostbyname(socket.gethostname()) if not self.is_head else self.head_ip
+        args = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
+                f"--node-ip-address={node_ip}", f"--temp-dir={self.temp_dir}", f"--num-cpus={self.num_cpus()}",
+                f"--num-gpus={self.cluster.gpus_per_node}",
+                f"--dashboard-agent-listen-port={_free_port()}"]  # the fixed default clashes between nodes of one host
+        if self.is_head:
+            args += ["--head", f"--port={self.port}", "--include-dashboard=false"]
+        else:
+            self._wait_for_head()
+            args += [f"--address={self.address}"]
+        print(f"rank {self.rank}: {' '.join(args[3:])}", flush=True)
+        self.proc = subprocess.Popen(args, env=ray_process_env(), start_new_session=True, stdin=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    def _wait_for_head(self) -> None:
+        deadline = time.monotonic() + self.cluster.ray_wait_nodes_s
+        while not _reachable(self.head_ip, self.port):
+            if time.monotonic() > deadline:
+                raise RayBootstrapError(f"rank {self.rank}: the Ray head {self.address} ({self.head_host}) did not "
+                                        f"answer within cluster.ray_wait_nodes_s={self.cluster.ray_wait_nodes_s} s")
+            time.sleep(0.5)
+
+    def wait_for_nodes(self) -> None:
+        """Head only: block until every task's node joined; fail naming the missing hosts after the timeout."""
+        import ray
+
+        expected = self.expected_hosts()
+        deadline = time.monotonic() + self.cluster.ray_wait_nodes_s
+        while not _reachable(self.head_ip, self.port):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise RayBootstrapError(f"the Ray head did not open {self.address} within "
+                                        f"cluster.ray_wait_nodes_s={self.cluster.ray_wait_nodes_s} s")
+            time.sleep(0.25)
+        ray.init(address=self.address, logging_level="WARNING", log_to_driver=False)
+        try:
+            while True:
+                alive = [n for n in ray.nodes() if n["Alive"]]
+                missing = missing_nodes(expected, [n["NodeManagerHostname"] for n in alive])
+                if not missing:
+                    cpus = sum(n["Resources"].get("CPU", 0) for n in alive)
+                    gpus = sum(n["Resources"].get("GPU", 0) for n in alive)
+                    print(f"Ray up at {self.address}: {len(alive)} node(s), {cpus:g} CPUs, {gpus:g} GPUs", flush=True)
+                    return
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise RayBootstrapError(
+                        f"{len(alive)} of {len(expected)} Ray nodes joined {self.address} within "
+                        f"cluster.ray_wait_nodes_s={self.cluster.ray_wait_nodes_s} s; missing: {', '.join(missing)}. "
+                        f"Their task logs (submitit folder, <job_id>_<rank>_log.err) say why.")
+                time.sleep(0.5)
+        finally:
+            ray.shutdown()
+
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RayBootstrapError(f"rank {self.rank}: 'ray start' exited with code {self.proc.returncode}; "
+                                    f"Ray's logs are in {self.temp_dir}/session_latest/logs")
+
+    def serve(self, poll_s: float = 1.0, misses: int = 3) -> None:
+        """Non-head ranks: keep this node up until the head's GCS stops answering (or this node dies)."""
+        missed = 0
+        while missed < misses:
+            if self.proc is not None and self.proc.poll() is not None:
+                print(f"rank {self.rank}: ray start exited ({self.proc.returncode})", flush=True)
+                return
+            missed = 0 if _reachable(self.head_ip, self.port) else missed + 1
+            time.sleep(poll_s)
+        print(f"rank {self.rank}: the Ray head is gone; stopping this node", flush=True)
+
+    def stop(self) -> None:
+        """Kill this task's ray start process group (SIGTERM, then SIGKILL); remove the temp dir unless failed."""
+        if self.proc is not None:
+            try:
+                pgid = os.getpgid(self.proc.pid)
+            except ProcessLookupError:
+                pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    continue
+                if sig == signal.SIGTERM:  # the leader left; SIGKILL whatever of its group remains
+                    try:
+                        time.sleep(0.5)
+                        os.killpg(pgid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                break
+            self.proc = None
+        if not self.failed:  # a failed bootstrap keeps Ray's logs (session_latest/logs) for the post-mortem
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> "RayCluster":
+        try:
+            self.start()
+            if self.is_head:
+                self.wait_for_nodes()
+        except BaseException:
+            self.failed = True
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.failed = self.failed or exc_type is not None
+        self.stop()

@@ -1,0 +1,150 @@
+"""SLURM submission through submitit, and the function every task of the job runs.
+
+    submit(cfg, derived, run_dir, overrides)   sbatch through submitit; prints the job id and returns (no waiting)
+    SlurmRun(body)(cfg, run_dir)                inside the allocation: Ray across the tasks, the body on rank 0
+
+What reaches the sbatch script and the shell, and how it is quoted:
+
+- every ``#SBATCH`` value (job name, partition, account, qos, constraint, memory, log paths, ``sbatch_extra``)
+  is written by submitit as ``#SBATCH --key=<shlex.quote(value)>``, and the srun command line quotes the python
+  path and the submitit folder: a run name or account with spaces, quotes, ``$(...)`` or ``;`` arrives literally;
+- ``cluster.setup`` lines are shell lines by design (``module load ...``, ``source .../activate``) and are
+  written verbatim: they come from the site's cluster YAML, which is trusted like a job script;
+- nothing else is interpolated into the script: the config and the run directory travel in submitit's pickle.
+
+The job folder is fresh for every submission (``<run_dir>/slurm/<timestamp>``): job ids restart when a
+cluster's state is wiped, and a reused folder would hand back an old job's result. ``<run_dir>/job.json``
+records the job id, the folder, the log paths and the overrides (``python -m slime_hydra.status`` reads it).
+
+Preemption: the job function is a ``submitit.helpers.Checkpointable``. When SLURM sends the time-limit signal
+(``USR2@90`` by default, or the site's ``--signal=...`` in ``cluster.sbatch_extra``), launch/preempt.py records
+it; the body checkpoints at its next step boundary and returns ``"preempted"``; Ray is torn down; then submitit's
+own requeue handler runs ``checkpoint()`` (this function again, with ``resume=auto``) and ``scontrol requeue``.
+The requeued job starts from the newest checkpoint in the same run directory.
+"""
+
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import submitit
+from rich.console import Console
+
+from slime_hydra.config.derive import Derived
+from slime_hydra.config.schema import SlimeConfig
+from slime_hydra.launch import preempt
+from slime_hydra.launch.slurm import sbatch_parameters
+
+DEFAULT_BODY = "slime_hydra.loop.run"
+"""The job's body on rank 0: ``body(cfg, run_dir)``, a Ray driver (RAY_ADDRESS is set); returns "done" or
+"preempted"."""
+
+
+def resolve_body(path: str) -> Callable[[SlimeConfig, Path], Any]:
+    """'package.module.function' (or 'package.module:function') -> the function."""
+    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+class SlurmRun(submitit.helpers.Checkpointable):
+    """What every task of the SLURM job runs: Ray node (head on rank 0), the body on rank 0, teardown, requeue."""
+
+    def __init__(self, body: str = DEFAULT_BODY):
+        self.body = body
+
+    def __call__(self, cfg: SlimeConfig, run_dir: str) -> Optional[str]:
+        from slime_hydra.cluster.ray_cluster import RayCluster
+
+        preempt.install()
+        body = resolve_body(self.body)
+        with RayCluster(cfg.cluster) as ray_cluster:
+            if not ray_cluster.is_head:
+                ray_cluster.serve()
+                return None
+            os.environ["RAY_ADDRESS"] = ray_cluster.address
+            outcome = body(cfg, Path(run_dir))
+        if outcome == "preempted" or preempt.requested():
+            self._requeue()
+        return outcome
+
+    def checkpoint(self, cfg: SlimeConfig, run_dir: str) -> submitit.helpers.DelayedSubmission:
+        """The requeued job: this function again, resuming from the newest checkpoint of run_dir."""
+        return submitit.helpers.DelayedSubmission(self, dataclasses.replace(cfg, resume="auto"), run_dir)
+
+    @staticmethod
+    def _requeue() -> None:
+        """Hand over to submitit's requeue handler (it calls checkpoint(), scontrol requeue, and exits)."""
+        if preempt.signal_name() == "SIGTERM":
+            # scancel (the user wants it gone), or a preemption that SLURM itself requeues (PreemptMode=REQUEUE)
+            print("SIGTERM: checkpoint written; not requeueing from the job", flush=True)
+            return
+        usr_sig = submitit.JobEnvironment._usr_sig()
+        handler = preempt.previous.get(usr_sig)
+        if not callable(handler):
+            print("no submitit requeue handler installed: not requeued", flush=True)
+            return
+        try:
+            handler(usr_sig, None)
+        except subprocess.CalledProcessError as error:  # scontrol requeue refused (e.g. the job is being cancelled)
+            print(f"requeue failed: {error}", flush=True)
+
+
+@dataclasses.dataclass
+class SubmittedJob:
+    job_id: str
+    """SLURM job id."""
+    run_dir: Path
+    """The run directory (job.json, metrics.jsonl, checkpoints)."""
+    folder: Path
+    """submitit's folder: the sbatch script, pickles and the per-task logs."""
+    job: submitit.Job
+    """submitit's handle (state, result, cancel)."""
+
+
+def fresh_folder(run_dir: Path) -> Path:
+    """<run_dir>/slurm/<YYYYmmdd-HHMMSS>[-n], never reused."""
+    base = run_dir / "slurm" / time.strftime("%Y%m%d-%H%M%S")
+    folder, n = base, 1
+    while folder.exists():
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    return folder
+
+
+def submit(cfg: SlimeConfig, derived: Derived, run_dir: Path, overrides: Sequence[str], *,
+           body: str = DEFAULT_BODY, tasks_per_node: int = 1, console: Optional[Console] = None) -> SubmittedJob:
+    """sbatch the run; write <run_dir>/job.json; print the job id and run dir; return without waiting.
+
+    tasks_per_node > 1 runs several Ray nodes per SLURM node (tests emulate a multi-node job on one host).
+    """
+    folder = fresh_folder(run_dir)
+    params = sbatch_parameters(cfg.cluster, derived, job_name=run_dir.name)
+    params["ntasks_per_node"] = tasks_per_node
+    executor = submitit.SlurmExecutor(folder=folder)
+    executor.update_parameters(**params)
+    job = executor.submit(SlurmRun(body), cfg, str(run_dir))
+    record = {
+        "job_id": job.job_id,
+        "run_dir": str(run_dir),
+        "submitit_folder": str(folder),
+        "stdout": str(job.paths.stdout),
+        "stderr": str(job.paths.stderr),
+        "overrides": list(overrides),
+        "nodes": derived.nodes,
+        "tasks_per_node": tasks_per_node,
+        "gpus_per_node": cfg.cluster.gpus_per_node,
+        "body": body,
+        "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "job.json").write_text(json.dumps(record, indent=2) + "\n")
+    (console or Console(soft_wrap=True)).print(
+        f"submitted SLURM job {job.job_id}: {run_dir}\n  logs: {job.paths.stdout}\n"
+        f"  status: python -m slime_hydra.status {run_dir}", markup=False, highlight=False)
+    return SubmittedJob(job_id=job.job_id, run_dir=run_dir, folder=folder, job=job)
+

@@ -1,0 +1,370 @@
+"""The RL loop: generate -> score -> filter -> train -> sync -> track -> checkpoint -> eval, every rollout step.
+
+    run(cfg, run_dir)          what ``python launch.py`` does after validation (and a SLURM job on its rank 0)
+
+Who does what (DESIGN.md):
+
+- Ray places one bundle per GPU (``{GPU: 1, CPU: 1}``; ``{CPU: 1}`` per role process on a CPU-only machine).
+  Training ranks take the first ``train.num_gpus`` bundles; engines take the next ``rollout.num_gpus``
+  (disaggregated) or share the training bundles (``cluster.colocate``).
+- ``TrainGroup`` (train/group.py): the rank actors, one torch.distributed group, the actor backend (and the
+  critic for PPO).
+- ``RolloutManager`` (rollout/manager.py), an async Ray actor: router, engines, prompt source, buffer, rewards,
+  eval sets. ``generate_batch`` returns a full training batch of scored, filtered samples.
+- Weight sync (weight_sync.py): every ``sync_every_steps`` steps the trainer pushes its weights to the engines
+  as version = rollout steps trained.
+
+One step in sync mode: the engines generate a batch with the current weights; the trainer computes old (and
+reference) logprobs, advantages, then takes ``optimizer_steps_per_rollout`` optimizer steps on consecutive
+``global_batch_samples`` slices; the new weights go to the engines. In async mode (``mode=async``, roles on
+separate GPUs) the rollout of step k+1 is started before step k trains, on the weights the engines hold then;
+the buffer drops groups more than ``max_staleness`` versions old, and a sync that arrives mid-rollout is applied
+in place (generation continues on the new weights; TIS, ``algo.tis_cap``, corrects the mixed logprobs).
+
+Phase times go to ``perf/<phase>_time`` (s): rollout (generate + reward, concurrent), logprobs (old + ref
+forward), train, sync, eval, checkpoint, and step; ``perf/overhead_time`` is the step time not in any phase.
+
+Checkpoints (checkpoint.py): every ``save_every_steps`` steps, at the end, and when SIGTERM or SIGUSR1 arrives
+(the step in progress finishes, the checkpoint is written, and ``run`` returns ``"preempted"``). With
+``resume=auto`` a restarted run continues from the newest checkpoint: the trainer state, the prompt cursor, the
+buffer, the tracking step and, in async mode, the rollout that was already generated for the next step.
+
+Debug modes: ``debug.mode=rollout_only`` generates and scores (saving every batch with ``debug.save_rollouts``)
+and never trains; ``train_only`` trains from the batches an earlier run saved (``debug.rollout_path``) and starts
+no engine.
+"""
+
+import json
+import os
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from slime_hydra.buffer.sample import Sample
+from slime_hydra.checkpoint import checkpoint_dir, find_resume, mark_latest, write_json
+from slime_hydra.config.derive import Derived, derive
+from slime_hydra.config.schema import SlimeConfig
+from slime_hydra.model.embedded import resolve_model_path
+from slime_hydra.model.hf import load_tokenizer
+from slime_hydra.tracking.progress import ProgressView
+from slime_hydra.tracking.tracker import Tracker
+from slime_hydra.train.objectives import ActorLoss, CriticLoss
+from slime_hydra.train.prepare import add_advantages, needs_old_logprobs, to_train_batch
+from slime_hydra.weight_sync import choose_method
+
+
+def run(cfg: SlimeConfig, run_dir: Path) -> str:
+    """Train with RL as configured; returns "done" or "preempted" (a checkpoint was written on a signal)."""
+    run_dir = Path(run_dir)
+    model_path = resolve_model_path(cfg.model, cfg.data, cfg.seed)
+    started_ray = _init_ray(cfg)
+    stop = StopSignal()  # after ray.init, which installs its own SIGTERM handler in the driver
+    session = Session(cfg, derive(cfg), run_dir, model_path)
+    try:
+        return session.train(stop)
+    finally:
+        session.close()
+        stop.restore()
+        if started_ray:
+            ray.shutdown()
+
+
+class Session:
+    """The live parts of one run (placement, trainer, rollout manager, tracker) and the loop over steps."""
+
+    def __init__(self, cfg: SlimeConfig, d: Derived, run_dir: Path, model_path: Path):
+        self.cfg, self.d, self.run_dir, self.model_path = cfg, d, run_dir, model_path
+        self.debug = cfg.debug.mode
+        self.trainer = self.critic = self.manager = self.pg = self.tracker = None
+        self.engine_urls: list[str] = []
+        self.resume_from = find_resume(cfg.resume, run_dir)
+        self.placement()
+        if self.debug != "rollout_only":
+            self.start_trainer()
+        if self.debug != "train_only":
+            self.start_rollout()
+        if self.trainer is not None and self.manager is not None:
+            method = choose_method(cfg.train.weight_sync, cfg.cluster.colocate)
+            self.trainer.connect_rollout(method, self.manager, cfg.train.weight_sync_bucket_mb, str(run_dir))
+        self.step, self.next_rollout = 0, None
+        if self.resume_from is not None:
+            self.load(self.resume_from)
+        self.tracker = Tracker(cfg.tracking, run_dir, run_dir.name, _flat_config(cfg),
+                               resume_step=self.step - 1 if self.resume_from is not None else None)
+
+    # ---- set-up --------------------------------------------------------------------------------------------------
+    def placement(self) -> None:
+        """One bundle per GPU, or per role process on a CPU-only machine; wait until Ray reserved them all."""
+        self.on_gpu = self.cfg.cluster.gpus_per_node > 0
+        unit = {"GPU": 1, "CPU": 1} if self.on_gpu else {"CPU": 1}
+        self.pg = placement_group([dict(unit) for _ in range(self.d.total_gpus)], strategy="PACK")
+        ray.get(self.pg.ready(), timeout=self.cfg.cluster.ray_wait_nodes_s)
+
+    @property
+    def cpu_threads(self) -> int | None:
+        """CPU-only machine, sync mode: trainer and engines take turns, so each may use every core while it works.
+        Otherwise (GPUs, or async overlap) each process keeps the CPUs Ray assigned it."""
+        if self.on_gpu or self.cfg.mode == "async" or os.environ.get("RAY_ADDRESS"):
+            return None
+        return os.cpu_count()
+
+    def start_trainer(self) -> None:
+        from slime_hydra.train.group import TrainGroup
+
+        cfg, d = self.cfg, self.d
+        total = cfg.num_steps * d.optimizer_steps_per_rollout
+        keep_ref = cfg.algo.kl_loss_coef > 0 or cfg.algo.kl_coef > 0
+        share = 0.5 if cfg.cluster.colocate else 1.0  # colocated engines take the other half of each bundle
+        gpus = share if self.on_gpu else 0.0
+        self.trainer = TrainGroup(self.pg, cfg.train.num_gpus, cfg.train.backend, self.model_path, cfg.train, total,
+                                  cfg.algo.loss_agg, keep_ref, gpus_per_rank=gpus, cpus_per_rank=1.0,
+                                  torch_threads=self.cpu_threads)
+        if cfg.algo.advantage_estimator == "gae":
+            self.critic = TrainGroup(self.pg, cfg.train.num_gpus, cfg.train.backend, self.model_path, cfg.train,
+                                     total, cfg.algo.loss_agg, False, gpus_per_rank=gpus / 2 if gpus else 0.0,
+                                     role="critic", cpus_per_rank=0.0)
+
+    def start_rollout(self) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from slime_hydra.rollout.engines.actor import EngineActor
+        from slime_hydra.rollout.manager import RolloutManager
+
+        cfg, d = self.cfg, self.d
+        first = 0 if cfg.cluster.colocate else d.train_gpus
+        engines = []
+        for i in range(d.num_engines):
+            bundle = first + i * cfg.rollout.gpus_per_engine
+            gpus = (0.5 if cfg.cluster.colocate else 1.0) if self.on_gpu else 0.0
+            engines.append(ray.remote(EngineActor).options(
+                num_cpus=0, num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+            ).remote(i, str(self.model_path), str(self.run_dir / "logs"), max_batch_size=cfg.rollout.batch_prompts *
+                     cfg.rollout.n_samples_per_prompt, torch_threads=self.cpu_threads))
+        self.manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
+            cfg, str(self.model_path), str(self.run_dir), engines)
+        self.engine_urls = ray.get(self.manager.start.remote())
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def train(self, stop: "StopSignal") -> str:
+        cfg = self.cfg
+        progress = ProgressView(cfg.num_steps, self.step, enabled=cfg.tracking.progress)
+        with progress:
+            if self.step == 0 and self._eval_due(0):
+                self.tracker.log(0, self.evaluate())
+            while self.step < cfg.num_steps:
+                step_start = time.monotonic()
+                step = self.step
+                metrics = self.rollout_phase(step)                           # generate -> score -> filter
+                samples = metrics.pop("_samples")
+                if self.trainer is not None:
+                    metrics.update(self.train_phase(samples))               # old/ref logprobs -> advantages -> train
+                    if (step + 1) % cfg.sync_every_steps == 0 and self.manager is not None:
+                        metrics.update(self.trainer.push_weights(step + 1))  # sync: engines get version step + 1
+                self.step = step + 1
+                if self._eval_due(self.step):
+                    metrics.update(self.evaluate())                          # eval
+                if self._save_due() or stop.requested:
+                    metrics["perf/checkpoint_time"] = self.save()           # checkpoint
+                metrics["perf/step_time"] = time.monotonic() - step_start
+                metrics["perf/overhead_time"] = metrics["perf/step_time"] - sum(
+                    v for k, v in metrics.items() if k.startswith("perf/") and k.endswith("_time")
+                    and k not in ("perf/step_time", "perf/overhead_time"))
+                self.tracker.log(step, metrics)                              # track
+                progress.update(step, metrics)
+                if stop.requested and self.step < cfg.num_steps:
+                    return "preempted"
+        if not self._save_due():
+            self.save()
+        return "done"
+
+    def rollout_phase(self, step: int) -> dict:
+        """This step's samples (under "_samples") and rollout metrics; in async mode also starts the next rollout."""
+        if self.debug == "train_only":
+            start = time.monotonic()
+            samples = load_saved_rollout(Path(self.cfg.debug.rollout_path), step)
+            return {"_samples": samples, "perf/rollout_time": time.monotonic() - start}
+        future = self.next_rollout if self.next_rollout is not None else self.manager.generate_batch.remote()
+        self.next_rollout = None
+        result = ray.get(future)
+        if self.cfg.mode == "async" and step + 1 < self.cfg.num_steps:
+            self.next_rollout = self.manager.generate_batch.remote()
+        if self.cfg.debug.save_rollouts:
+            save_rollout(self.run_dir / "rollouts", step, result["samples"])
+        metrics = dict(result["metrics"])
+        metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["perf/rollout_time"], 1e-9)
+        samples = [Sample.from_dict(s) for s in result["samples"]]
+        # the trainer's policy is version `step` (rollout steps trained); how far behind the oldest sample is
+        metrics["rollout/weight_version_lag"] = float(step - min(s.weight_version for s in samples))
+        metrics["_samples"] = samples
+        return metrics
+
+    def train_phase(self, samples: list[Sample]) -> dict:
+        """Old/ref logprobs and values, advantages, then the optimizer steps of one rollout batch."""
+        cfg, algo = self.cfg, self.cfg.algo
+        start = time.monotonic()
+        tokenizer_pad = self.pad_id
+        batch = to_train_batch(samples, tokenizer_pad, cfg.reward.reward_key)
+        temperature = cfg.rollout.temperature
+        old = (self.trainer.logprobs(batch, "current", temperature)[0]
+               if needs_old_logprobs(algo, self.d.optimizer_steps_per_rollout) else None)
+        ref = self.trainer.logprobs(batch, "ref", temperature)[0] if (algo.kl_loss_coef or algo.kl_coef) else None
+        values = self.critic.logprobs(batch)[0] if self.critic is not None else None
+        add_advantages(batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values)
+        metrics = {"perf/logprobs_time": time.monotonic() - start}
+        start = time.monotonic()
+        actor_loss = ActorLoss(algo, cfg.rollout.max_response_tokens)
+        sums: dict[str, float] = {}
+        size = self.d.global_batch_samples
+        for k in range(self.d.optimizer_steps_per_rollout):
+            mini = batch.select(list(range(k * size, min((k + 1) * size, batch.size))))
+            step_metrics = self.trainer.train_step(mini, actor_loss, temperature, with_entropy=True)
+            if self.critic is not None:
+                critic_metrics = self.critic.train_step(mini, CriticLoss(algo, cfg.rollout.max_response_tokens))
+                step_metrics.update({f"critic_{k}" if k in ("grad_norm", "lr") else k: v
+                                     for k, v in critic_metrics.items()})
+            for name, value in step_metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value) / self.d.optimizer_steps_per_rollout
+        metrics.update({f"train/{k}": v for k, v in sums.items()})
+        metrics["train/advantage_abs_mean"] = float(
+            (batch.extras["advantages"].abs() * batch.loss_mask).sum() / batch.loss_mask.sum())
+        metrics["perf/train_time"] = time.monotonic() - start
+        return metrics
+
+    @property
+    def pad_id(self) -> int:
+        if not hasattr(self, "_pad_id"):
+            tok = load_tokenizer(self.model_path)
+            self._pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        return self._pad_id
+
+    def evaluate(self) -> dict:
+        if self.manager is None:
+            return {}
+        return ray.get(self.manager.evaluate.remote())
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.rollout.eval_every_steps
+        if not every or not self.cfg.data.eval or self.manager is None:
+            return False
+        return step % every == 0 or step == self.cfg.num_steps
+
+    def _save_due(self) -> bool:
+        every = self.cfg.save_every_steps
+        return self.step == self.cfg.num_steps or (every > 0 and self.step % every == 0)
+
+    # ---- checkpoint ----------------------------------------------------------------------------------------------
+    def save(self) -> float:
+        """Write checkpoints/step_<k> (see checkpoint.py); returns the seconds it took."""
+        start = time.monotonic()
+        ckpt = checkpoint_dir(self.run_dir, self.step)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        if self.trainer is not None:
+            (ckpt / "actor").mkdir(exist_ok=True)
+            self.trainer.call("save", str(ckpt / "actor"))
+        if self.critic is not None:
+            (ckpt / "critic").mkdir(exist_ok=True)
+            self.critic.call("save", str(ckpt / "critic"))
+        next_rollout = None
+        if self.manager is not None:
+            if self.next_rollout is not None:  # async: finish the rollout already running and keep it
+                next_rollout = ray.get(self.next_rollout)
+                self.next_rollout = ray.put(next_rollout)
+            write_json(ckpt / "rollout.json", ray.get(self.manager.state_dict.remote()))
+        write_json(ckpt / "loop.json", {"step": self.step, "next_rollout": next_rollout})
+        mark_latest(self.run_dir, ckpt)
+        return time.monotonic() - start
+
+    def load(self, ckpt: Path) -> None:
+        meta = json.loads((ckpt / "loop.json").read_text())
+        self.step = int(meta["step"])
+        if self.trainer is not None:
+            self.trainer.call("load", str(ckpt / "actor"))
+        if self.critic is not None:
+            self.critic.call("load", str(ckpt / "critic"))
+        if self.manager is not None:
+            ray.get(self.manager.load_state_dict.remote(json.loads((ckpt / "rollout.json").read_text())))
+            if meta.get("next_rollout") is not None:
+                self.next_rollout = ray.put(meta["next_rollout"])
+            if self.trainer is not None and self.step > 0:
+                self.trainer.push_weights(self.step)  # the engines restart from the initial weights
+        print(f"resumed from {ckpt} at step {self.step}", flush=True)
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
+        if self.manager is not None:
+            try:
+                ray.get(self.manager.shutdown.remote(), timeout=60)
+            except Exception as error:  # shutting down after a failure: report, keep tearing down
+                print(f"rollout manager shutdown: {error}", flush=True)
+        for group in (self.trainer, self.critic):
+            if group is not None:
+                group.shutdown()
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------------
+class StopSignal:
+    """SIGTERM / SIGUSR1 (SLURM's warning before the time limit, preemption) ask the loop to checkpoint and stop."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: the caller handles signals
+                pass
+
+    def _handle(self, signum, _frame) -> None:
+        print(f"received {signal.Signals(signum).name}: checkpointing after this step", flush=True)
+        self.requested = True
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _init_ray(cfg: SlimeConfig) -> bool:
+    """Join the Ray cluster in RAY_ADDRESS (a SLURM job), or start a local one; True when started here."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return False
+    d = derive(cfg)
+    cpus = max(os.cpu_count() or 1, d.total_gpus if cfg.cluster.gpus_per_node == 0 else 1)
+    ray.init(num_cpus=cfg.cluster.cpus_per_node or cpus, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
+    return True
+
+
+def _flat_config(cfg: SlimeConfig) -> dict:
+    return asdict(cfg)
+
+
+def save_rollout(out_dir: Path, step: int, samples: list[dict]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / f"step_{step:06d}.jsonl", "w") as f:
+        for s in samples:
+            f.write(json.dumps(s) + "\n")
+
+
+def load_saved_rollout(rollout_dir: Path, step: int) -> list[Sample]:
+    """Samples saved by debug.save_rollouts for this step (cycling when the run saved fewer steps)."""
+    files = sorted(rollout_dir.glob("step_*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"debug.rollout_path={rollout_dir}: no step_*.jsonl files (write them with a "
+                                "debug=rollout_only run)")
+    path = files[step % len(files)]
+    return [Sample.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line]

@@ -1,0 +1,131 @@
+"""Weight sync: the trainer's current weights into every rollout engine, as a new weight version.
+
+Run on every training rank at once (gathering full tensors is collective); rank 0 does the sending. The method
+comes from ``train.weight_sync`` (``auto``: tensor when colocated, distributed otherwise):
+
+- **distributed**: trainer rank 0 and every engine form one broadcast group (gloo on CPU, NCCL on GPU; made once,
+  at the first sync). Tensors go in buckets of at most ``train.weight_sync_bucket_mb``: for each bucket rank 0
+  asks the rollout manager to announce it to the engines (``/update_weights_from_distributed`` with the names,
+  dtypes and shapes) and broadcasts the tensors in that order; the engines load them as they arrive.
+- **tensor**: buckets travel through Ray's object store to the rollout manager and into
+  ``/update_weights_from_tensor`` (base64 safetensors). This is the colocated path; on a GPU SGLang takes CUDA IPC
+  handles here instead, which the embedded engine does not implement (it copies through the host).
+- **disk**: the trainer exports an HF checkpoint to ``<run_dir>/weights/latest`` and the engines reload it with
+  ``/update_weights_from_disk``.
+
+Every sync: generation held in place (``begin_weight_update``), the buckets, then ``finish_weight_update`` (flush
+caches, resume, advance the buffer's version). The last bucket carries the version, so an engine reports the new
+version only once it has every tensor. Tensors are sent in the engine's compute dtype: bf16 when training in bf16
+on a GPU, else fp32.
+"""
+
+import socket
+import time
+from pathlib import Path
+from typing import Iterator
+
+import ray
+import torch
+import torch.distributed as dist
+
+from slime_hydra.rollout.engines.weights import dtype_name, init_weight_update_group, send_named_tensors
+
+METHODS = ("distributed", "tensor", "disk")
+
+
+def choose_method(weight_sync: str, colocate: bool) -> str:
+    """train.weight_sync with ``auto`` resolved from the placement."""
+    if weight_sync == "auto":
+        return "tensor" if colocate else "distributed"
+    if weight_sync not in METHODS:
+        raise ValueError(f"train.weight_sync={weight_sync!r}; choose auto, {', '.join(METHODS)}")
+    return weight_sync
+
+
+def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs in order into lists of at most bucket_bytes (a larger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class WeightPusher:
+    """Lives on one training rank; ``push`` is called on all ranks together, once per sync."""
+
+    def __init__(self, backend, method: str, manager, bucket_mb: int, run_dir: str, send_dtype: torch.dtype):
+        self.backend, self.method, self.manager = backend, method, manager
+        self.bucket_bytes = bucket_mb * 1024 * 1024
+        self.run_dir, self.send_dtype = Path(run_dir), send_dtype
+        self.rank = dist.get_rank()
+        self.group = None
+
+    def push(self, version: int) -> dict[str, float]:
+        """Send the current weights as ``version``; returns {"perf/weight_sync_time": s, "sync/bytes": n}."""
+        start = time.monotonic()
+        sent = 0
+        if self.rank == 0:
+            ray.get(self.manager.begin_weight_update.remote())
+        if self.method == "disk":
+            out = self.run_dir / "weights" / "latest"
+            out.mkdir(parents=True, exist_ok=True)
+            self.backend.export_hf(out)
+            if self.rank == 0:
+                ray.get(self.manager.update_weights_from_disk.remote(str(out), version))
+                sent = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+        else:
+            if self.method == "distributed" and self.group is None:
+                self._join_group()
+            bucket_list = buckets(self._tensors(), self.bucket_bytes)
+            pending = next(bucket_list, None)
+            while pending is not None:
+                following = next(bucket_list, None)
+                if self.rank == 0:
+                    sent += self._send(pending, version if following is None else None)
+                pending = following
+        if self.rank == 0:
+            ray.get(self.manager.finish_weight_update.remote(version))
+        dist.barrier()
+        return {"perf/weight_sync_time": time.monotonic() - start, "sync/bytes": float(sent)}
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.backend.iter_full_weights():
+            yield name, tensor.to(self.send_dtype) if tensor.is_floating_point() else tensor
+
+    def _send(self, bucket: list[tuple[str, torch.Tensor]], version) -> int:
+        if self.method == "tensor":
+            ray.get(self.manager.update_weights_from_tensor.remote({n: t.cpu() for n, t in bucket}, version))
+        else:
+            names = [n for n, _ in bucket]
+            ref = self.manager.update_weights_from_distributed.remote(
+                names, [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket], version)
+            send_named_tensors(self.group, bucket)
+            ray.get(ref)
+        return sum(t.numel() * t.element_size() for _, t in bucket)
+
+    def _join_group(self) -> None:
+        """Rank 0 hosts the broadcast group; the manager makes every engine join it (rank 1 + engine index)."""
+        if self.rank != 0:
+            return
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        engines = ray.get(self.manager.num_engines.remote())
+        joined = self.manager.init_weight_sync.remote(host, port, backend)
+        self.group = init_weight_update_group(host, port, 0, 1 + engines, backend=backend)
+        ray.get(joined)
+
+
+def engine_dtype(train_dtype: str) -> torch.dtype:
+    """The dtype weights are sent in: the engines compute in bf16 on GPU when training is bf16."""
+    return torch.bfloat16 if train_dtype == "bf16" and torch.cuda.is_available() else torch.float32
+

@@ -1,0 +1,133 @@
+"""The RL loop end to end through launch.py, as a user runs it: real Ray, router, engine process, trainer rank.
+
+Each run is a few steps of the tiny model (random init: these tests check mechanics, not learning; the learning
+run is scripts/embedded_default.py, recorded in README and docs/benchmarks.md).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slime_hydra.config import PROJECT_ROOT
+
+SHAPE = ("model.sft_warm_start_steps=0", "rollout.batch_prompts=4", "rollout.n_samples_per_prompt=4",
+         "train.micro_batch_samples=16", "reward.name=random", "tracking.progress=false")
+SMALL = (*SHAPE, "rollout.eval_every_steps=0")
+"""16 samples a step from the random tiny model, with random 0/1 rewards (nonzero advantages, so it trains)."""
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
+
+
+def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PROJECT_ROOT / "launch.py"), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def train_rows(run: Path) -> list[dict]:
+    return [m for m in metrics(run) if "rollout/raw_reward" in m]
+
+
+def test_default_loop_runs_syncs_and_checkpoints(tmp_path):
+    out = launch(f"output_dir={tmp_path}", "run_name=r", "num_steps=3", "rollout.eval_every_steps=3", *SHAPE)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "r"
+    rows = train_rows(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    first = rows[0]
+    assert first["train/ppo_kl"] == 0 and first["train/pg_clipfrac"] == 0
+    assert first["train/kl_loss"] == pytest.approx(0, abs=1e-7)          # the policy is the reference at step 0
+    assert rows[2]["train/kl_loss"] > 0                                   # ...and moves away from it
+    assert all(r["rollout/tokens"] > 0 and r["sync/bytes"] > 0 for r in rows)
+    assert all(r["rollout/weight_version_lag"] == 0 for r in rows)        # sync mode: always the newest weights
+    # orchestration overhead: the step time outside the measured phases
+    assert all(r["perf/overhead_time"] < 0.25 * r["perf/step_time"] for r in rows[1:])
+    evals = [m for m in metrics(run) if "eval/addition/accuracy" in m]
+    assert [m["step"] for m in evals] == [0, 2]                           # before training and at the end
+    assert 0 <= evals[-1]["eval/addition/accuracy"] <= 1 and "eval/addition/pass@1" in evals[-1]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert "done" in out.stdout
+
+
+def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):
+    """kill -9 mid-run, then the same command again: resume=auto continues from the newest checkpoint."""
+    args = [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r", "num_steps=6",
+            "save_every_steps=2", "debug.save_rollouts=true", *SMALL]
+    run = tmp_path / "r"
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not [r for r in train_rows(run) if r["step"] >= 3]:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 3"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (run / "checkpoints" / "latest").read_text().strip() in ("step_000002", "step_000004")
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "resumed from" in out.stdout
+    assert [r["step"] for r in train_rows(run)] == [0, 1, 2, 3, 4, 5]
+    # the data cursor: the 6 steps trained on 6 x 4 distinct prompts, none twice
+    prompts = []
+    for step in range(6):
+        lines = (run / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
+        groups = {json.loads(line)["group_index"]: json.loads(line)["prompt"] for line in lines}
+        assert len(groups) == 4
+        prompts += groups.values()
+    assert len(set(prompts)) == 24
+
+
+def test_sigterm_checkpoints_and_the_rerun_continues(tmp_path):
+    args = [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r", "num_steps=8",
+            *SMALL]
+    run = tmp_path / "r"
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 240
+    while not train_rows(run):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "preempted" in stdout
+    saved = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert 1 <= saved < 8 and [r["step"] for r in train_rows(run)] == list(range(saved))
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert [r["step"] for r in train_rows(run)] == list(range(8))
+
+
+def test_async_mode_overlaps_and_bounds_staleness(tmp_path):
+    out = launch(f"output_dir={tmp_path}", "run_name=r", "num_steps=4", "mode=async", "max_staleness=1", *SMALL)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = train_rows(tmp_path / "r")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["rollout/weight_version_lag"] <= 1 for r in rows)
+    assert any(r["rollout/weight_version_lag"] == 1 for r in rows[1:])   # generated while the previous step trained
+
+
+def test_rollout_only_then_train_only_from_the_saved_rollouts(tmp_path):
+    out = launch(f"output_dir={tmp_path}", "run_name=gen", "num_steps=2", "debug=rollout_only", *SMALL)
+    assert out.returncode == 0, out.stderr[-4000:]
+    saved = sorted((tmp_path / "gen" / "rollouts").glob("step_*.jsonl"))
+    assert len(saved) == 2
+    assert all("train/pg_loss" not in r for r in train_rows(tmp_path / "gen"))
+    out = launch(f"output_dir={tmp_path}", "run_name=train", "num_steps=2", "debug=train_only",
+                 f"debug.rollout_path={tmp_path / 'gen' / 'rollouts'}", *SMALL)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [m for m in metrics(tmp_path / "train") if "train/pg_loss" in m]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert not (tmp_path / "train" / "logs" / "engine_0.log").exists()    # no engine was started

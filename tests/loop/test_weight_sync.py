@@ -1,0 +1,75 @@
+"""Weight sync, each path: after a training step and a sync, the engine computes the trainer's logprobs exactly.
+
+The engine is asked for the logprobs of a fixed sequence (``/generate`` with max_new_tokens=0 scores the prompt);
+equal logprobs to 1e-5 on every token mean the engine holds the trainer's weights (fp32 on CPU). The same numbers
+before the sync differ, so the check can fail.
+"""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import ray
+
+from slime_hydra.config import compose, to_config
+from slime_hydra.config.derive import derive
+from slime_hydra.loop import Session, _init_ray
+from slime_hydra.model.embedded import resolve_model_path
+from slime_hydra.rollout.client import SGLangClient
+from slime_hydra.train.batch import collate
+
+pytestmark = pytest.mark.slow
+
+SEQUENCE = [2, 90, 88, 74, 87, 100, 22, 23, 16, 24, 25, 34, 3, 100, 2, 70, 26, 27, 1]
+
+
+@pytest.fixture(scope="module")
+def ray_local(tmp_path_factory):
+    import os
+
+    os.environ["SLIME_HYDRA_CACHE"] = str(tmp_path_factory.getbasetemp() / "model_cache")
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def engine_logprobs(url: str) -> tuple[list[float], str]:
+    async def ask():
+        async with SGLangClient(url) as client:
+            out = await client.generate(SEQUENCE, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+            return [x[0] for x in out["meta_info"]["input_token_logprobs"][1:]], await client.get_weight_version()
+    return asyncio.run(ask())
+
+
+def trainer_logprobs(session: Session) -> list[float]:
+    batch = collate([SEQUENCE], [len(SEQUENCE) - 1], [[1] * (len(SEQUENCE) - 1)], pad_id=0)
+    return session.trainer.logprobs(batch)[0][0].tolist()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["train.weight_sync=distributed"],
+    ["train.weight_sync=disk"],
+    ["cluster.colocate=true", "rollout.num_gpus=null", "train.weight_sync=tensor"],
+], ids=["distributed", "disk", "tensor"])
+def test_engine_holds_the_trainer_weights_after_sync(ray_local, tmp_path, overrides):
+    cfg = to_config(compose(["model.sft_warm_start_steps=0", "rollout.batch_prompts=4",
+                             "rollout.n_samples_per_prompt=4", "train.micro_batch_samples=16", f"output_dir={tmp_path}", "run_name=r",
+                             "train.lr=1e-3", "reward.name=random", *overrides]))  # random rewards: nonzero advantages
+    _init_ray(cfg)
+    session = Session(cfg, derive(cfg), Path(tmp_path) / "r", resolve_model_path(cfg.model, cfg.data, cfg.seed))
+    try:
+        url = session.engine_urls[0]
+        before, version = engine_logprobs(url)
+        assert version == "0"
+        assert max(abs(a - b) for a, b in zip(before, trainer_logprobs(session))) < 1e-5
+        samples = session.rollout_phase(0).pop("_samples")
+        session.train_phase(samples)
+        trained = trainer_logprobs(session)
+        assert max(abs(a - b) for a, b in zip(before, trained)) > 1e-4     # the step changed the policy
+        metrics = session.trainer.push_weights(1)
+        after, version = engine_logprobs(url)
+        assert version == "1" and metrics["sync/bytes"] > 0
+        assert max(abs(a - b) for a, b in zip(after, trained)) < 1e-5
+    finally:
+        session.close()
+        ray.shutdown()
