@@ -8,8 +8,9 @@
             ray_cluster.serve()                       # blocks until the head goes away
 
 - rank 0 runs ``ray start --head --block`` as a child process: GCS port ``cluster.ray_port + job_id % 1000``
-  (two jobs sharing a node do not collide), temp dir ``/tmp/ray_<job_id>`` (short: Ray's socket paths must stay
-  under ~107 characters), explicit ``--num-cpus``/``--num-gpus``, no dashboard;
+  (two jobs sharing a node do not collide), temp dir ``/tmp/ray_<job_id>`` (``/tmp/ray_<job_id>_<rank>`` on other
+  ranks; short: Ray's socket paths must stay under ~107 characters), explicit ``--num-cpus``/``--num-gpus``,
+  node address = the SLURM host name's address, no dashboard;
 - every other rank waits for the head's port, then runs ``ray start --address <head>:<port> --block``;
 - the head waits for all ``num_tasks`` nodes, at most ``cluster.ray_wait_nodes_s``, and otherwise fails naming
   the hosts that did not join;
@@ -39,8 +40,11 @@ from slime_hydra.cluster.config import ClusterConfig
 CLEARED_ENV_PREFIXES = ("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "PMI_", "PMIX_", "OMPI_", "SUBMITIT_")
 """Variables removed from the environment of the Ray processes (and so of every actor)."""
 
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-"""Set for the Ray processes and the driver: bind to the given address; no token auth (ENVIRONMENT.md)."""
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+"""Set for the Ray processes and the driver. Cluster mode must be ON here: with
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (right for single-machine runs, ENVIRONMENT.md) ``ray start --address`` refuses
+to join and a driver takes 127.0.0.1 as its node address; the explicit ``--node-ip-address`` keeps Ray off the
+machine's other interfaces instead. No token auth (a stale ~/.ray/auth_token would otherwise turn it on)."""
 
 STOP_GRACE_S = 5.0
 """Seconds a ray start process group gets between SIGTERM and SIGKILL."""
@@ -63,9 +67,10 @@ def head_port(cluster: ClusterConfig, job_id: str) -> int:
     return cluster.ray_port + int(str(job_id).split("_")[0]) % 1000
 
 
-def temp_dir_for(job_id: str) -> str:
-    """Ray's per-job temp dir, node-local and short (Unix socket paths are limited to ~107 characters)."""
-    return f"/tmp/ray_{job_id}"
+def temp_dir_for(job_id: str, rank: int) -> str:
+    """Ray's temp dir of one task, node-local and short (Unix socket paths are limited to ~107 characters);
+    one per rank, so tasks sharing a host never remove each other's."""
+    return f"/tmp/ray_{job_id}" if rank == 0 else f"/tmp/ray_{job_id}_{rank}"
 
 
 def missing_nodes(expected_hosts: Sequence[str], joined_hosts: Sequence[str]) -> list[str]:
@@ -114,7 +119,7 @@ class RayCluster:
         self.head_ip = socket.gethostbyname(self.head_host)
         self.port = head_port(cluster, self.job_id)
         self.address = f"{self.head_ip}:{self.port}"
-        self.temp_dir = temp_dir_for(self.job_id)
+        self.temp_dir = temp_dir_for(self.job_id, self.rank)
         self.proc: Optional[subprocess.Popen] = None
         self.failed = False
 

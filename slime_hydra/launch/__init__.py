@@ -14,6 +14,7 @@ from slime_hydra.config import ConfigError, check_overrides, collect_problems, t
 from slime_hydra.config.files import check_files
 from slime_hydra.launch.plan import print_plan
 from slime_hydra.launch.run_dir import run_dir_for, write_provenance
+from slime_hydra.launch.sweep import point_run_dir
 
 EXIT_BAD_CONFIG = 2
 
@@ -47,7 +48,7 @@ def launch(dict_cfg: DictConfig) -> None:
         _fail(error)
     problems, derived = collect_problems(cfg)
     file_problems = list(check_files(cfg))
-    run_dir = run_dir_for(cfg)
+    run_dir = point_run_dir() or run_dir_for(cfg)  # a sweep point runs in <sweep_dir>/<num>
     if cfg.dry_run:
         console.rule("Resolved config")
         console.print(OmegaConf.to_yaml(dict_cfg, resolve=True), markup=False, highlight=False)
@@ -65,8 +66,9 @@ def launch(dict_cfg: DictConfig) -> None:
         return
     write_provenance(run_dir, dict_cfg, _overrides())
     if cfg.cluster.scheduler == "slurm":
-        console.print(f"config valid; provenance written to {run_dir}. SLURM submission is not built yet, so nothing "
-                      "was submitted (see README: What works today).", markup=False)
+        from slime_hydra.launch.submit import submit
+
+        submit(cfg, derived, run_dir, _overrides(), console=console)  # non-blocking: prints the job id and returns
         return
     from slime_hydra.loop import run
 
