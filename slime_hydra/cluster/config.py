@@ -40,3 +40,5 @@ class ClusterConfig:
     """Ray head GCS port (SLURM jobs add job_id % 1000 to avoid clashes between jobs on one node)."""
     ray_wait_nodes_s: int = 300
     """Seconds the driver waits for all nodes to join Ray before failing."""
+    job_body: str = "slime_hydra.loop.run"
+    """slurm: dotted path of the function rank 0 runs as the Ray driver, body(cfg, run_dir) -> "done" | "preempted"."""

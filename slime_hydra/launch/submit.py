@@ -40,11 +40,6 @@ from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.launch import preempt
 from slime_hydra.launch.slurm import sbatch_parameters
 
-DEFAULT_BODY = "slime_hydra.loop.run"
-"""The job's body on rank 0: ``body(cfg, run_dir)``, a Ray driver (RAY_ADDRESS is set); returns "done" or
-"preempted"."""
-
-
 def resolve_body(path: str) -> Callable[[SlimeConfig, Path], Any]:
     """'package.module.function' (or 'package.module:function') -> the function."""
     module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
@@ -54,8 +49,9 @@ def resolve_body(path: str) -> Callable[[SlimeConfig, Path], Any]:
 class SlurmRun(submitit.helpers.Checkpointable):
     """What every task of the SLURM job runs: Ray node (head on rank 0), the body on rank 0, teardown, requeue."""
 
-    def __init__(self, body: str = DEFAULT_BODY):
+    def __init__(self, body: str):
         self.body = body
+        """Dotted path of body(cfg, run_dir), run on rank 0 as the Ray driver (RAY_ADDRESS set): cluster.job_body."""
 
     def __call__(self, cfg: SlimeConfig, run_dir: str) -> Optional[str]:
         from slime_hydra.cluster.ray_cluster import RayCluster
@@ -117,7 +113,7 @@ def fresh_folder(run_dir: Path) -> Path:
 
 
 def submit(cfg: SlimeConfig, derived: Derived, run_dir: Path, overrides: Sequence[str], *,
-           body: str = DEFAULT_BODY, tasks_per_node: int = 1, console: Optional[Console] = None) -> SubmittedJob:
+           tasks_per_node: int = 1, console: Optional[Console] = None) -> SubmittedJob:
     """sbatch the run; write <run_dir>/job.json; print the job id and run dir; return without waiting.
 
     tasks_per_node > 1 runs several Ray nodes per SLURM node (tests emulate a multi-node job on one host).
@@ -127,7 +123,7 @@ def submit(cfg: SlimeConfig, derived: Derived, run_dir: Path, overrides: Sequenc
     params["ntasks_per_node"] = tasks_per_node
     executor = submitit.SlurmExecutor(folder=folder)
     executor.update_parameters(**params)
-    job = executor.submit(SlurmRun(body), cfg, str(run_dir))
+    job = executor.submit(SlurmRun(cfg.cluster.job_body), cfg, str(run_dir))
     record = {
         "job_id": job.job_id,
         "run_dir": str(run_dir),
@@ -138,7 +134,7 @@ def submit(cfg: SlimeConfig, derived: Derived, run_dir: Path, overrides: Sequenc
         "nodes": derived.nodes,
         "tasks_per_node": tasks_per_node,
         "gpus_per_node": cfg.cluster.gpus_per_node,
-        "body": body,
+        "body": cfg.cluster.job_body,
         "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,182 @@
+"""Real SLURM jobs (one 2-CPU node on loopback, partition debug): Ray bootstrap, a sweep, cancel, requeue, quoting.
+
+Jobs run small bodies from tests/slurm/bodies.py (cluster.job_body) with one CPU per Ray node; the embedded
+default loop under SLURM is the last test (skipped until slime_hydra.loop exists).
+"""
+
+import json
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from slime_hydra import status
+from slime_hydra.config import PROJECT_ROOT, compose, to_config, validate
+from slime_hydra.launch.submit import submit
+
+CLUSTER = ("cluster=slurm", "cluster.gpus_per_node=0", "cluster.partition=debug", "cluster.cpus_per_node=1",
+           "cluster.time_min=5", "cluster.ray_wait_nodes_s=60")
+"""A 1-CPU Ray node per task on the CI node (CPUs=2: two tasks, or two jobs, at a time)."""
+
+pytestmark = pytest.mark.usefixtures("slurm")
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def submit_body(tmp_path: Path, name: str, body: str, *overrides: str, tasks_per_node: int = 1):
+    cfg = to_config(compose([*CLUSTER, f"cluster.job_body=tests.slurm.bodies.{body}", *overrides]))
+    return submit(cfg, validate(cfg), tmp_path / name, list(overrides), tasks_per_node=tasks_per_node)
+
+
+def state_of(run_dir: Path) -> status.RunStatus:
+    (run,) = status.collect(run_dir)
+    return run
+
+
+def ray_processes(job_id: str) -> str:
+    out = subprocess.run(["pgrep", "-af", f"/tmp/ray_{job_id}"], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PROJECT_ROOT / "launch.py"), *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def test_two_tasks_form_one_ray_cluster(tmp_path):
+    """Head on rank 0, rank 1 joins: the body sees 2 nodes and 2 CPUs; workers carry no SLURM/PMI variables;
+    no Ray process or temp dir outlives the job."""
+    job = submit_body(tmp_path, "ray", "ray_nodes", tasks_per_node=2)
+    assert job.job.results()[0] == "done"
+    seen = json.loads((tmp_path / "ray" / "ray.json").read_text())
+    assert seen["nodes"] == 2 and seen["cpus"] == 2
+    assert seen["worker_scheduler_env"] == {}
+    wait_until(lambda: not ray_processes(job.job_id), 15, "the job's Ray processes to exit")
+    assert not list(Path("/tmp").glob(f"ray_{job.job_id}*"))
+    record = json.loads((tmp_path / "ray" / "job.json").read_text())
+    assert record["job_id"] == job.job_id and Path(record["submitit_folder"]).parent == tmp_path / "ray" / "slurm"
+
+
+def test_sweep_submits_every_point_as_its_own_job(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    out = launch("-m", *CLUSTER, "cluster.job_body=tests.slurm.bodies.metrics", "num_steps=2,3", "seed=1,2",
+                 f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("submitted SLURM job") == 4
+    manifest = json.loads((sweep_dir / "sweep.json").read_text())
+    points = manifest["points"]
+    assert [p["num"] for p in points] == [0, 1, 2, 3] and all(p["job_id"] for p in points)
+    assert len({p["job_id"] for p in points}) == 4 and len({p["run_dir"] for p in points}) == 4
+    assert {"num_steps=3", "seed=2"} <= set(points[3]["overrides"])
+    done = wait_until(lambda: all(s.state == "COMPLETED" for s in status.collect(sweep_dir)) and status.collect(sweep_dir),
+                      150, "all 4 points to complete", poll_s=2)
+    assert [s.last_step for s in done] == [1, 1, 2, 2] and done[2].last_reward == 0.5
+    table = subprocess.run([sys.executable, "-m", "slime_hydra.status", str(sweep_dir)], capture_output=True,
+                           text=True, timeout=30)
+    assert table.returncode == 0 and table.stdout.count("COMPLETED") == 4
+
+
+def test_sweep_refuses_before_submitting_when_any_point_is_invalid(tmp_path):
+    out = launch("-m", *CLUSTER, "cluster.job_body=tests.slurm.bodies.metrics", "rollout.n_samples_per_prompt=1,8",
+                 f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "point 0 (rollout.n_samples_per_prompt=1)" in out.stderr and "submitted" not in out.stdout
+    assert not (tmp_path / "sweep" / "sweep.json").exists()
+
+
+def test_sweep_dry_run_prints_points_and_scripts_and_leaves_nothing(tmp_path):
+    out = launch("-m", *CLUSTER, "cluster.gpus_per_node=8", "train.micro_batch_samples=16", "train.num_gpus=8,16",
+                 "dry_run=true", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "Sweep: 2 points (dry run: nothing is submitted)" in out.stdout
+    assert out.stdout.count("#SBATCH --nodes=") == 2 and "#SBATCH --nodes=2" in out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cancelled_job_shows_cancelled_and_nothing_waits_forever(tmp_path):
+    job = submit_body(tmp_path, "cancel", "sleep_until_signalled")
+    wait_until(lambda: (tmp_path / "cancel" / "started").exists(), 90, "the job to start")
+    subprocess.run(["scancel", job.job_id], check=True, timeout=10)
+    run = wait_until(lambda: (lambda s: s if s.state == "CANCELLED" else None)(state_of(tmp_path / "cancel")), 30,
+                     "status to report CANCELLED")
+    assert run.job_id == job.job_id
+    waited = threading.Thread(target=lambda: job.job.exception(), daemon=True)  # submitit must not block either
+    waited.start()
+    waited.join(timeout=60)
+    assert not waited.is_alive(), "submitit waited on a cancelled job"
+    wait_until(lambda: not ray_processes(job.job_id), 20, "the cancelled job's Ray processes to exit")
+
+
+def test_failed_job_shows_failed_with_its_reason(tmp_path):
+    job = submit_body(tmp_path, "fail", "no_such_body")
+    wait_until(lambda: job.job.done(), 90, "the job to end")
+    run = wait_until(lambda: (lambda s: s if s.state == "FAILED" else None)(state_of(tmp_path / "fail")), 30,
+                     "status to report FAILED")
+    assert "no_such_body" in run.reason
+
+
+def test_time_limit_signal_requeues_and_the_job_resumes(tmp_path):
+    job = submit_body(tmp_path, "requeue", "preempt_then_resume", "resume=never")
+    run_dir = tmp_path / "requeue"
+    wait_until(lambda: (run_dir / "started").exists(), 90, "the first start")
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=10)  # what SLURM sends at --signal
+    # slurmctld holds a requeued job for ~2 minutes (EligibleTime = requeue + 121 s); release it now
+    wait_until(lambda: all(f in subprocess.run(["scontrol", "show", "job", job.job_id], capture_output=True, text=True,
+                                               timeout=10).stdout for f in ("Restarts=1", "JobState=PENDING")),
+               60, "the job to be requeued and pending")
+    subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], check=True, timeout=10)
+    resumed = wait_until(lambda: (run_dir / "resumed.json").exists() and json.loads((run_dir / "resumed.json").read_text()),
+                         150, "the requeued job to resume", poll_s=1)
+    first = json.loads((run_dir / "checkpoint.json").read_text())
+    assert first == {"starts": 1, "signal": "SIGUSR2", "resume": "never"}
+    assert resumed["resume"] == "auto" and resumed["starts"] == 2 and resumed["job_id"] == job.job_id
+    assert job.job.result() == "done"
+
+
+def test_values_with_shell_syntax_arrive_literally(tmp_path):
+    """Spaces, quotes, $(...) and ; in the run name (job name, log paths) and in partition/account strings."""
+    nasty = 'q a"b $(touch HACKED) ; echo x'
+    dry = launch(*CLUSTER, f"run_name='{nasty}'", "cluster.account=\"o'brien $(touch HACKED); x\"",
+                 "cluster.qos='a b;c'", "dry_run=true", cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    lines = {ln.split("=", 1)[0]: ln.split("=", 1)[1] for ln in dry.stdout.splitlines() if ln.startswith("#SBATCH --")}
+    assert shlex.split(lines["#SBATCH --account"]) == ["o'brien $(touch HACKED); x"]
+    assert shlex.split(lines["#SBATCH --qos"]) == ["a b;c"]
+    assert shlex.split(lines["#SBATCH --job-name"]) == [nasty]
+
+    real = launch(*CLUSTER, "cluster.job_body=tests.slurm.bodies.metrics", "num_steps=1", f"run_name='{nasty}'",
+                  f"output_dir={tmp_path}/out", cwd=tmp_path)
+    assert real.returncode == 0, real.stderr
+    run_dir = tmp_path / "out" / nasty
+    job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=10).stdout
+    assert f"JobName={nasty}" in shown
+    wait_until(lambda: state_of(run_dir).state == "COMPLETED", 90, "the job to complete", poll_s=1)
+    assert (run_dir / "metrics.jsonl").exists()  # the body ran in the literal directory
+    assert not list(tmp_path.rglob("HACKED")) and not (PROJECT_ROOT / "HACKED").exists()
+
+
+def test_embedded_default_runs_under_slurm(tmp_path):
+    """The real loop (the embedded default, a few steps) as the job body; metrics land in the run dir."""
+    pytest.importorskip("slime_hydra.loop")
+    out = launch(*CLUSTER, "cluster.cpus_per_node=2", "num_steps=2", "model.sft_warm_start_steps=0",
+                 "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2", "train.micro_batch_samples=4",
+                 "rollout.eval_every_steps=0", "tracking.progress=false", "run_name=loop",
+                 f"output_dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    run = wait_until(lambda: (lambda s: s if s.state in ("COMPLETED", "FAILED", "CANCELLED") else None)(
+        state_of(tmp_path / "loop")), 300, "the loop job to end", poll_s=2)
+    assert run.state == "COMPLETED", run.reason
+    assert run.last_step == 1 and run.last_reward is not None
