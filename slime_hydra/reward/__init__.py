@@ -14,8 +14,15 @@ A function marked ``@group_reward`` is called once per group instead:
 Concurrency and timeouts: scorer.py.
 """
 
-from slime_hydra.reward.registry import NAMES, get_reward_fn, group_reward, scalar_reward
-from slime_hydra.reward.remote import RemoteRewardError
-from slime_hydra.reward.scorer import RewardScorer
+import importlib
 
-__all__ = ["NAMES", "get_reward_fn", "group_reward", "scalar_reward", "RewardScorer", "RemoteRewardError"]
+_EXPORTS = {"NAMES": "registry", "get_reward_fn": "registry", "group_reward": "registry",
+            "scalar_reward": "registry", "RemoteRewardError": "remote", "RewardScorer": "scorer"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """Imported on first use: the config schema imports reward.config, and math-verify (sympy) is slow to load."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"slime_hydra.reward.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'slime_hydra.reward' has no attribute {name!r}")

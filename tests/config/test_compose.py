@@ -71,7 +71,7 @@ def test_recipe_families_cover_every_model_family():
 def test_embedded_default_values_and_tiny_tuning():
     cfg, d = load()
     assert (cfg.model.name, cfg.algo.name, cfg.rollout.backend, cfg.train.backend) == ("tiny", "grpo", "embedded", "fsdp")
-    assert (cfg.train.lr, cfg.train.lr_decay_style, cfg.train.dtype, cfg.num_steps) == (2e-4, "cosine", "fp32", 140)
+    assert (cfg.train.lr, cfg.train.dtype, cfg.num_steps, cfg.model.sft_warm_start_steps) == (2e-4, "fp32", 120, 350)
     # ... conf/tuning/tiny.yaml applies for model=tiny ...
     big, _ = load("model=qwen3_8b", "model.path=/ckpt")
     assert (big.train.lr, big.train.dtype, big.num_steps) == (1e-6, "bf16", 200)  # ... and only for it

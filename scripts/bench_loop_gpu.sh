@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The RL loop on GPUs, for speed (not learning): a Qwen2.5-0.5B-shaped random-init checkpoint (with the tiny
+# character tokenizer, so no download) trained with GRPO on the addition task for a few steps.
+#   bash scripts/bench_loop_gpu.sh colocated      # one GPU: trainer and engine share it, tensor weight sync
+#   bash scripts/bench_loop_gpu.sh disaggregated  # two GPUs: trainer on one, engine on the other, NCCL broadcast
+# Prints the per-phase step times from metrics.jsonl (docs/benchmarks.md records them).
+set -euo pipefail
+mode=${1:-colocated}
+out=${OUT:-/tmp}/loop_$mode
+ckpt=/tmp/qwen2_5_0_5b_random
+python3 - "$ckpt" <<'PY'
+import sys
+from pathlib import Path
+from slime_hydra.config import compose, to_config
+from slime_hydra.model.hf import build_random_checkpoint
+from slime_hydra.model.tiny import build_tiny_tokenizer
+out = Path(sys.argv[1])
+if not (out / "config.json").exists():
+    tok = build_tiny_tokenizer()
+    model = to_config(compose(["model=qwen2_5_0_5b"])).model
+    build_random_checkpoint(model, out, tokenizer=tok, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                            bos_token_id=None)
+PY
+common=(model=qwen2_5_0_5b model.path=$ckpt cluster.gpus_per_node=$([ "$mode" = colocated ] && echo 1 || echo 2)
+        train.num_gpus=1 train.dtype=bf16 train.lr=1e-6 train.micro_batch_samples=32 num_steps=6
+        rollout.batch_prompts=32 rollout.n_samples_per_prompt=8 rollout.max_response_tokens=128
+        rollout.temperature=1.0 rollout.eval_every_steps=0 output_dir=$out run_name=run tracking.progress=false)
+if [ "$mode" = colocated ]; then
+  python3 launch.py "${common[@]}" cluster.colocate=true rollout.num_gpus=null train.weight_sync=tensor
+else
+  python3 launch.py "${common[@]}" rollout.num_gpus=1 train.weight_sync=distributed
+fi
+python3 - "$out/run/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if "perf/step_time" in l]
+keys = ["perf/step_time", "perf/rollout_time", "perf/logprobs_time", "perf/train_time", "perf/weight_sync_time",
+        "perf/overhead_time", "perf/tokens_per_s", "rollout/tokens", "sync/bytes"]
+for r in rows:
+    print(r["step"], " ".join(f"{k.split('/')[-1]}={r.get(k, float('nan')):.3f}" for k in keys))
+PY
