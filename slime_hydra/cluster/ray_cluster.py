@@ -20,7 +20,8 @@
   SLURM's GPU binding;
 - teardown kills each ``ray start`` process group (SIGTERM, then SIGKILL after a grace period). If the job
   process itself is SIGKILLed, ``ray start`` gets SIGKILL too (PR_SET_PDEATHSIG) and Ray's reaper takes its
-  process group down: nothing outlives the job, whatever SLURM's proctrack plugin. ``ray stop`` is never used:
+  process group down: nothing outlives the job, whatever SLURM's proctrack plugin. (``scancel`` is such a case:
+  srun SIGKILLs the step at once, so only the node-local temp dir, files, may remain.) ``ray stop`` is never used:
   it would stop every Ray on the node, other jobs' included.
 """
 
@@ -46,8 +47,9 @@ RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (right for single-machine runs, ENVIRONMENT.
 to join and a driver takes 127.0.0.1 as its node address; the explicit ``--node-ip-address`` keeps Ray off the
 machine's other interfaces instead. No token auth (a stale ~/.ray/auth_token would otherwise turn it on)."""
 
-STOP_GRACE_S = 5.0
-"""Seconds a ray start process group gets between SIGTERM and SIGKILL."""
+STOP_GRACE_S = 2.0
+"""Seconds a ray start process group gets between SIGTERM and SIGKILL (the driver is done by then: nothing to
+drain; SLURM's KillWait must stay longer)."""
 
 
 class RayBootstrapError(RuntimeError):
