@@ -24,8 +24,9 @@ in place (generation continues on the new weights; TIS, ``algo.tis_cap``, correc
 Phase times go to ``perf/<phase>_time`` (s): rollout (generate + reward, concurrent), logprobs (old + ref
 forward), train, sync, eval, checkpoint, and step; ``perf/overhead_time`` is the step time not in any phase.
 
-Checkpoints (checkpoint.py): every ``save_every_steps`` steps, at the end, and when SIGTERM or SIGUSR1 arrives
-(the step in progress finishes, the checkpoint is written, and ``run`` returns ``"preempted"``). With
+Checkpoints (checkpoint.py): every ``save_every_steps`` steps, at the end, and when SIGTERM, SIGUSR1 or SIGUSR2
+arrives (launch/preempt.py records it; the step in progress finishes, the checkpoint is written, and ``run``
+returns ``"preempted"``; a SLURM job then requeues itself, launch/submit.py). With
 ``resume=auto`` a restarted run continues from the newest checkpoint: the trainer state, the prompt cursor, the
 buffer, the tracking step and, in async mode, the rollout that was already generated for the next step.
 
@@ -36,7 +37,6 @@ no engine.
 
 import json
 import os
-import signal
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -48,6 +48,7 @@ from slime_hydra.buffer.sample import Sample
 from slime_hydra.checkpoint import checkpoint_dir, find_resume, mark_latest, write_json
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.schema import SlimeConfig
+from slime_hydra.launch import preempt
 from slime_hydra.model.embedded import resolve_model_path
 from slime_hydra.model.hf import load_tokenizer
 from slime_hydra.tracking.progress import ProgressView
@@ -62,13 +63,12 @@ def run(cfg: SlimeConfig, run_dir: Path) -> str:
     run_dir = Path(run_dir)
     model_path = resolve_model_path(cfg.model, cfg.data, cfg.seed)
     started_ray = _init_ray(cfg)
-    stop = StopSignal()  # after ray.init, which installs its own SIGTERM handler in the driver
+    preempt.install()  # after ray.init, which installs its own SIGTERM handler in the driver
     session = Session(cfg, derive(cfg), run_dir, model_path)
     try:
-        return session.train(stop)
+        return session.train()
     finally:
         session.close()
-        stop.restore()
         if started_ray:
             ray.shutdown()
 
@@ -150,7 +150,7 @@ class Session:
         self.engine_urls = ray.get(self.manager.start.remote())
 
     # ---- the loop ------------------------------------------------------------------------------------------------
-    def train(self, stop: "StopSignal") -> str:
+    def train(self) -> str:
         cfg = self.cfg
         progress = ProgressView(cfg.num_steps, self.step, enabled=cfg.tracking.progress)
         with progress:
@@ -168,7 +168,7 @@ class Session:
                 self.step = step + 1
                 if self._eval_due(self.step):
                     metrics.update(self.evaluate())                          # eval
-                if self._save_due() or stop.requested:
+                if self._save_due() or preempt.requested():
                     metrics["perf/checkpoint_time"] = self.save()           # checkpoint
                 metrics["perf/step_time"] = time.monotonic() - step_start
                 metrics["perf/overhead_time"] = metrics["perf/step_time"] - sum(
@@ -176,7 +176,7 @@ class Session:
                     and k not in ("perf/step_time", "perf/overhead_time"))
                 self.tracker.log(step, metrics)                              # track
                 progress.update(step, metrics)
-                if stop.requested and self.step < cfg.num_steps:
+                if preempt.requested() and self.step < cfg.num_steps:
                     return "preempted"
         if not self._save_due():
             self.save()
@@ -310,29 +310,6 @@ class Session:
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------------
-class StopSignal:
-    """SIGTERM / SIGUSR1 (SLURM's warning before the time limit, preemption) ask the loop to checkpoint and stop."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-        for sig in self.SIGNALS:
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: the caller handles signals
-                pass
-
-    def _handle(self, signum, _frame) -> None:
-        print(f"received {signal.Signals(signum).name}: checkpointing after this step", flush=True)
-        self.requested = True
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def _init_ray(cfg: SlimeConfig) -> bool:
     """Join the Ray cluster in RAY_ADDRESS (a SLURM job), or start a local one; True when started here."""
     if ray.is_initialized():
