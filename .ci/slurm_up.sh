@@ -39,7 +39,7 @@ HOST=$(hostname -s)
 if [ "$(getent hosts "$HOST" | awk '{print $1; exit}')" != 127.0.0.1 ]; then
   echo "127.0.0.1 $HOST" >> /etc/hosts   # slurmd must find its own name on loopback
 fi
-CPUS=$(nproc)
+CPUS=$(env -u OMP_NUM_THREADS nproc)  # GNU nproc honours OMP_NUM_THREADS, which .ci/run sets to 1
 MEM_MB=$(awk '/MemTotal/ {print int($2 / 1024 * 0.8)}' /proc/meminfo)  # more than slurmd -C reports drains the node
 cat > "$STATE/slurm.conf" <<EOF
 ClusterName=ci

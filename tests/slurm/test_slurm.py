@@ -40,6 +40,20 @@ def submit_body(tmp_path: Path, name: str, body: str, *overrides: str, tasks_per
     return submit(cfg, validate(cfg), tmp_path / name, list(overrides), tasks_per_node=tasks_per_node)
 
 
+def finished(job, timeout_s: float = 300) -> list:
+    """The job's results, failing (never hanging) when it does not finish in time, e.g. stuck pending."""
+    def done() -> bool:
+        return job.job.done()
+
+    try:
+        wait_until(done, timeout_s, f"job {job.job_id} to finish")
+    except AssertionError as error:
+        reason = subprocess.run(["squeue", "-h", "-j", job.job_id, "-o", "%T %r"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        raise AssertionError(f"{error}; squeue says: {reason or 'gone'}") from None
+    return job.job.results()
+
+
 def state_of(run_dir: Path) -> status.RunStatus:
     (run,) = status.collect(run_dir)
     return run
@@ -59,7 +73,7 @@ def test_two_tasks_form_one_ray_cluster(tmp_path):
     """Head on rank 0, rank 1 joins: the body sees 2 nodes and 2 CPUs; workers carry no SLURM/PMI variables;
     no Ray process or temp dir outlives the job."""
     job = submit_body(tmp_path, "ray", "ray_nodes", tasks_per_node=2)
-    assert job.job.results()[0] == "done"
+    assert finished(job)[0] == "done"
     seen = json.loads((tmp_path / "ray" / "ray.json").read_text())
     assert seen["nodes"] == 2 and seen["cpus"] == 2
     assert seen["worker_scheduler_env"] == {}
@@ -142,7 +156,7 @@ def test_time_limit_signal_requeues_and_the_job_resumes(tmp_path):
     first = json.loads((run_dir / "checkpoint.json").read_text())
     assert first == {"starts": 1, "signal": "SIGUSR2", "resume": "never"}
     assert resumed["resume"] == "auto" and resumed["starts"] == 2 and resumed["job_id"] == job.job_id
-    assert job.job.result() == "done"
+    assert finished(job)[0] == "done"
 
 
 def test_values_with_shell_syntax_arrive_literally(tmp_path):
