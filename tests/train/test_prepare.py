@@ -5,7 +5,7 @@ import torch
 
 from slime_hydra.algo.config import AlgoConfig
 from slime_hydra.buffer.sample import Sample
-from slime_hydra.train.prepare import add_advantages, to_train_batch
+from slime_hydra.train.prepare import add_advantages, needs_old_logprobs, to_train_batch
 
 
 def _samples():
@@ -32,9 +32,18 @@ def test_grpo_advantages_from_samples():
 
 def test_reward_shaping_needs_the_reference():
     batch = to_train_batch(_samples(), pad_id=0)
-    with pytest.raises(ValueError, match="ref_logprobs needed"):
+    with pytest.raises(ValueError, match="old and ref logprobs needed"):
         add_advantages(batch, AlgoConfig(advantage_estimator="reinforce_pp", kl_coef=0.1), group_size=2,
                        old_logprobs=torch.zeros(batch.loss_mask.shape))
+    with pytest.raises(ValueError, match="old and ref logprobs needed"):   # no old logprobs either
+        add_advantages(batch, AlgoConfig(advantage_estimator="reinforce_pp", kl_coef=0.1), group_size=2,
+                       old_logprobs=None, ref_logprobs=torch.zeros(batch.loss_mask.shape))
+
+
+def test_one_optimizer_step_needs_no_separate_old_logprobs_pass():
+    grpo = AlgoConfig()
+    assert not needs_old_logprobs(grpo, 1)
+    assert needs_old_logprobs(grpo, 2) and needs_old_logprobs(AlgoConfig(kl_coef=0.1), 1)
 
 
 def test_empty_response_is_refused():
