@@ -22,6 +22,9 @@ SGLANG_OWNED = {
     "dp_size": "rollout.num_gpus (engines = rollout.num_gpus / rollout.gpus_per_engine)",
     "context_length": "data.max_prompt_tokens + rollout.max_response_tokens (derived)",
     "random_seed": "seed",
+    "dtype": "train.dtype (engines compute in the dtype weights are synced in)",
+    "weight_version": "the trainer's step (set by every weight sync)",
+    "enable_memory_saver": "cluster.colocate (colocated engines release GPU memory while the trainer runs)",
     "host": PLACEMENT,
     "port": PLACEMENT,
     "base_gpu_id": PLACEMENT,
@@ -93,9 +96,17 @@ def _check(section: str, options: dict, snap: str, owned: dict[str, str]) -> Ite
             yield Problem((dotted,), f"'{key}' is not an option of {known['source']} {known['version']}", fix)
 
 
+def check_sglang_names(options: dict) -> Iterator[Problem]:
+    """rollout.sglang keys that are no ServerArgs field, or that the platform sets itself."""
+    yield from _check("rollout.sglang", options, "sglang_server_args", SGLANG_OWNED)
+
+
 def check_passthrough(cfg) -> Iterator[Problem]:
     """Problems of rollout.sglang and train.megatron (cfg is a SlimeConfig)."""
-    yield from _check("rollout.sglang", cfg.rollout.sglang, "sglang_server_args", SGLANG_OWNED)
+    from slime_hydra.rollout.engines.sglang import value_problems  # renders values the way the launcher does
+
+    yield from check_sglang_names(cfg.rollout.sglang)
+    yield from value_problems(cfg.rollout.sglang)
     yield from _check("train.megatron", cfg.train.megatron, "megatron_args", MEGATRON_OWNED)
     if cfg.rollout.sglang and cfg.rollout.backend != "sglang":
         yield Problem(("rollout.sglang", "rollout.backend"),

@@ -69,6 +69,12 @@ def print_plan(cfg: SlimeConfig, d: Derived, run_dir: Path, console: Console) ->
     for line in placement_lines(cfg, d):
         console.print(line, markup=False, highlight=False)
     console.print(f"  run directory: {run_dir}", markup=False, highlight=False)
+    if cfg.rollout.backend == "sglang" and cfg.debug.mode != "train_only":
+        from slime_hydra.rollout.engines.sglang import engine_commands
+
+        console.rule("SGLang engine commands (host and ports are picked at start)")
+        for line in engine_commands(cfg, d.num_engines):
+            console.print(line, markup=False, highlight=False)
     if cfg.cluster.scheduler == "slurm":
         from slime_hydra.launch.slurm import render_sbatch
 

@@ -5,10 +5,13 @@ server as a child process with ``CUDA_VISIBLE_DEVICES`` set to the GPU ids Ray a
 outside Ray's accounting, as SGLang does under slime. On a CPU-only machine the bundle is ``{CPU: 1}`` and the
 engine runs on the CPU.
 
-    actor.start() -> url     actor.restart() -> url (same port)     actor.alive() -> bool     actor.stop()
+    actor.start() -> url     actor.restart() -> url (same ports)     actor.alive() -> bool     actor.stop()
 
-Only ``rollout=embedded`` servers are started here: real SGLang servers need the ``sglang`` extra on a GPU
-cluster (``rollout/engines/sglang.py`` renders their command line; see docs/rollout.md).
+Which server: the embedded engine (``sglang=None``, ``rollout=embedded``), or real SGLang (an ``SGLangLaunch``,
+``rollout=sglang``: ``python -m sglang.launch_server ...`` rendered by ``engines/sglang.py``; it needs the
+``sglang`` extra on a GPU node). Both run through the same ``ServerProcess``: same log file
+(``<log_dir>/engine_<index>.log``, first line the command), same readiness check (``GET /health_generate``), same
+stop (SIGTERM, then SIGKILL, to the server's process group).
 """
 
 import os
@@ -17,41 +20,67 @@ from typing import Optional
 
 import ray
 
-from slime_hydra.rollout.engines.process import EngineProcess
+from slime_hydra.rollout.engines.process import ServerProcess, embedded_command, free_port
+from slime_hydra.rollout.engines.sglang import SGLangLaunch
+
+EMBEDDED_START_TIMEOUT_S = 300.0
+"""Seconds an embedded engine may take to load and answer /health_generate."""
+SGLANG_START_TIMEOUT_S = 1200.0
+"""Seconds an SGLang server may take (weights from shared storage, CUDA-graph capture, warm-up)."""
 
 
 class EngineActor:
     def __init__(self, index: int, model_path: str, log_dir: str, dtype: str = "auto", max_batch_size: int = 256,
-                 torch_threads: Optional[int] = None):
+                 torch_threads: Optional[int] = None, sglang: Optional[SGLangLaunch] = None):
+        """index: engine number (log name, SGLang seed offset); dtype, max_batch_size, torch_threads: embedded
+        engine only; sglang: start this SGLang server instead of the embedded engine."""
         self.index, self.model_path, self.dtype = index, model_path, dtype
         self.max_batch_size, self.log_dir = max_batch_size, Path(log_dir)
         self.torch_threads = torch_threads
-        self.process: Optional[EngineProcess] = None
+        self.sglang = sglang
+        self.process: Optional[ServerProcess] = None
         self.port: Optional[int] = None
+        self.nccl_port: Optional[int] = None
 
-    def _env(self) -> dict:
+    def _env(self, gpu_ids: list[str]) -> dict:
         env = dict(os.environ)
-        gpu_ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
         if gpu_ids:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
         if self.torch_threads:
             env["OMP_NUM_THREADS"] = str(self.torch_threads)
         return env
 
-    def start(self, timeout_s: float = 300.0) -> str:
-        """Start the server and return its URL once /health answers."""
-        gpu_ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-        device = "cuda" if gpu_ids else "cpu"
+    def command(self, host: str, gpu_ids: list[str]) -> list[str]:
+        """The server's argv on ``host`` (ports are picked on first use and kept across restarts)."""
+        self.port = self.port or free_port(host)
+        if self.sglang is None:
+            device = "cuda" if gpu_ids else "cpu"
+            return embedded_command(self.model_path, host, self.port, device, self.dtype, self.max_batch_size)
+        if len(gpu_ids) != self.sglang.tp_size:
+            raise RuntimeError(f"engine {self.index} holds GPUs {gpu_ids} from its Ray placement but SGLang runs "
+                               f"--tp-size {self.sglang.tp_size} (rollout.gpus_per_engine): the engine actor must "
+                               f"be given exactly rollout.gpus_per_engine GPUs")
+        self.nccl_port = self.nccl_port or free_port(host)
+        return self.sglang.command(self.index, host, self.port, self.nccl_port)
+
+    def start(self, timeout_s: Optional[float] = None) -> str:
+        """Start the server and return its URL once /health_generate answers 200 (timeout_s: default
+        EMBEDDED_START_TIMEOUT_S or SGLANG_START_TIMEOUT_S)."""
+        gpu_ids = _gpu_ids()
         host = ray.util.get_node_ip_address() if ray.is_initialized() and not _local_only() else "127.0.0.1"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.process = EngineProcess(
-            self.model_path, host=host, port=self.port, device=device, dtype=self.dtype,
-            max_batch_size=self.max_batch_size, log_path=self.log_dir / f"engine_{self.index}.log", env=self._env())
-        self.port = self.process.port
-        self.process.start().wait_healthy(timeout_s)
+        argv = self.command(host, gpu_ids)
+        self.process = ServerProcess(f"engine_{self.index}", argv, host, self.port,
+                                     self.log_dir / f"engine_{self.index}.log", self._env(gpu_ids))
+        if timeout_s is None:
+            timeout_s = EMBEDDED_START_TIMEOUT_S if self.sglang is None else SGLANG_START_TIMEOUT_S
+        try:
+            self.process.start().wait_healthy(timeout_s)
+        except BaseException:
+            self.process.stop()
+            raise
         return self.process.url
 
-    def restart(self, timeout_s: float = 300.0) -> str:
+    def restart(self, timeout_s: Optional[float] = None) -> str:
         """Stop whatever is left of the server and start a fresh one on the same port (initial weights)."""
         self.stop()
         return self.start(timeout_s)
@@ -59,12 +88,26 @@ class EngineActor:
     def alive(self) -> bool:
         return self.process is not None and self.process.alive
 
+    def healthy(self) -> bool:
+        """The server process runs and answers /health_generate with 200."""
+        return self.alive() and self.process.healthy()
+
     def pid(self) -> Optional[int]:
         return self.process.pid if self.process is not None else None
+
+    def log_path(self) -> Optional[str]:
+        return str(self.process.log_path) if self.process is not None else None
 
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
+
+
+def _gpu_ids() -> list[str]:
+    """GPU ids Ray assigned to this actor (none outside Ray, or on a CPU-only bundle)."""
+    if not ray.is_initialized():
+        return []
+    return [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
 
 
 def _local_only() -> bool:

@@ -1,10 +1,15 @@
 """Child processes that serve HTTP (engines, the router): start with a log file, wait until healthy, stop cleanly.
 
+``ServerProcess`` runs any engine server from its argv: ``embedded_command(...)`` for the embedded engine, or
+``SGLangLaunch.command(...)`` (``engines/sglang.py``) for real SGLang; both get the same health check
+(``GET /health_generate``), log file (first line: the command) and stop.
+
 Each child runs in its own session, so ``stop`` signals exactly the process group this object started (SIGTERM, then
 SIGKILL after a grace period) and nothing else on the machine.
 """
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -106,30 +111,61 @@ class ManagedProcess:
             pass
 
 
-class EngineProcess(ManagedProcess):
-    """An embedded engine server (``python -m slime_hydra.rollout.engines.embedded``) on ``host:port``."""
+HEALTH_PATH = "/health_generate"
+"""The readiness and liveness check of every engine: SGLang and the embedded engine both answer it with 200 once a
+one-token generation ran (or while generation is deliberately paused / memory released)."""
 
-    def __init__(self, model_path: str, host: str = "127.0.0.1", port: Optional[int] = None, device: str = "cpu",
-                 dtype: str = "auto", max_batch_size: int = 64, extra_args: Sequence[str] = (),
-                 log_path: Optional[Path] = None, env: Optional[Mapping[str, str]] = None):
-        self.host = host
-        self.port = port or free_port(host)
-        argv = [sys.executable, "-m", "slime_hydra.rollout.engines.embedded", "--model-path", str(model_path),
-                "--host", host, "--port", str(self.port), "--device", device, "--dtype", dtype,
-                "--max-batch-size", str(max_batch_size), *extra_args]
-        super().__init__(f"engine_{self.port}", argv, log_path, env)
+
+class ServerProcess(ManagedProcess):
+    """An engine server (embedded or SGLang) listening on ``host:port``; the first log line is its command."""
+
+    def __init__(self, name: str, argv: Sequence[str], host: str, port: int, log_path: Optional[Path] = None,
+                 env: Optional[Mapping[str, str]] = None):
+        super().__init__(name, argv, log_path, env)
+        self.host, self.port = host, port
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def wait_healthy(self, timeout_s: float = 180.0) -> "EngineProcess":
-        self.wait_until(lambda: http_status(f"{self.url}/health") == 200, timeout_s, "healthy")
+    def start(self) -> "ServerProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "a") as log:
+            log.write(f"$ {shlex.join(self.argv)}\n")
+        super().start()
+        return self
+
+    def healthy(self, timeout_s: float = 70.0) -> bool:
+        """One ``GET /health_generate`` (timeout_s: both servers give the probe up to 60 s) answered 200."""
+        return http_status(f"{self.url}{HEALTH_PATH}", timeout_s) == 200
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> "ServerProcess":
+        """Poll /health_generate until 200; RuntimeError with the log tail if the process exits or time runs out."""
+        self.wait_until(self.healthy, timeout_s, "healthy")
         return self
 
 
+def embedded_command(model_path: str, host: str, port: int, device: str = "cpu", dtype: str = "auto",
+                     max_batch_size: int = 64, extra_args: Sequence[str] = ()) -> list[str]:
+    """argv of an embedded engine server (``python -m slime_hydra.rollout.engines.embedded``)."""
+    return [sys.executable, "-m", "slime_hydra.rollout.engines.embedded", "--model-path", str(model_path),
+            "--host", host, "--port", str(port), "--device", device, "--dtype", dtype,
+            "--max-batch-size", str(max_batch_size), *extra_args]
+
+
+class EngineProcess(ServerProcess):
+    """An embedded engine server on ``host:port`` (a free port when none is given)."""
+
+    def __init__(self, model_path: str, host: str = "127.0.0.1", port: Optional[int] = None, device: str = "cpu",
+                 dtype: str = "auto", max_batch_size: int = 64, extra_args: Sequence[str] = (),
+                 log_path: Optional[Path] = None, env: Optional[Mapping[str, str]] = None):
+        port = port or free_port(host)
+        argv = embedded_command(model_path, host, port, device, dtype, max_batch_size, extra_args)
+        super().__init__(f"engine_{port}", argv, host, port, log_path, env)
+
+
 def start_embedded_engine(model_path: str, timeout_s: float = 180.0, **kwargs) -> EngineProcess:
-    """Start an embedded engine (EngineProcess arguments) and return it once ``GET /health`` answers 200."""
+    """Start an embedded engine (EngineProcess arguments) and return it once ``GET /health_generate`` answers 200."""
     engine = EngineProcess(model_path, **kwargs).start()
     try:
         return engine.wait_healthy(timeout_s)

@@ -1,0 +1,277 @@
+"""Real SGLang servers (``rollout=sglang``): the exact ``python -m sglang.launch_server`` command of each engine.
+
+SGLang runs only on a prepared GPU cluster (it pins its own torch and CUDA kernels), so nothing here imports it:
+the command line is rendered from the config and the pinned snapshot of SGLang's ``ServerArgs``
+(``config/snapshots/sglang_server_args.json``), and ``EngineActor`` starts it through the same ``ServerProcess``
+wrapper, health check (``GET /health_generate``), log file and stop/restart as the embedded engine. Everything
+after start-up (generation, aborts, weight updates, memory release/resume) goes through SGLang's HTTP protocol
+(``rollout/client.py``), which the embedded engine speaks too.
+
+What the platform sets on every engine (``SGLANG_OWNED`` in ``config/passthrough.py`` refuses them in
+``rollout.sglang``)::
+
+    --model-path / --tokenizer-path   model.path
+    --host --port --nccl-port         picked per engine at start (loopback on one machine, the node's IP on many)
+    --tp-size                         rollout.gpus_per_engine (GPU ids: CUDA_VISIBLE_DEVICES from the Ray placement)
+    --dtype                           bfloat16 when train.dtype=bf16, else float32 (the dtype weights are synced in)
+    --random-seed                     seed + engine index (engines sample different streams)
+    --context-length                  data.max_prompt_tokens + the largest response budget (rollout and eval sets)
+    --weight-version                  the policy version the engine starts with ("0": the initial weights)
+    --enable-memory-saver             cluster.colocate (engines release GPU memory while the trainer runs)
+
+then every ``rollout.sglang`` option, in the order written, rendered from its snapshot entry the way SGLang's
+argparse parser reads it back:
+
+- a ``bool`` flag (argparse ``store_true``) appears only when true; ``BooleanOptionalAction`` flags render
+  ``--x`` for true and ``--no-x`` for false;
+- a list option (``nargs`` ``+`` or ``*``) is one flag followed by each value; an empty list is the bare flag
+  under ``nargs='*'``;
+- options SGLang parses as JSON (``json.loads``, ``json_list_type``, ``--cuda-graph-config``) take a dict or list,
+  rendered as compact JSON (a string is passed through as written);
+- ``lora_paths`` takes ``{name: path}`` (rendered ``name=path``), or a list of paths / ``{"lora_name", "lora_path"}``
+  dicts;
+- scalars are one flag and one value, checked against the snapshot's type and choices; ``null`` leaves SGLang's
+  default (the option is not rendered).
+
+``python -m slime_hydra.rollout.engines.sglang [hydra overrides...]`` prints the command of every engine the
+config would start (host and ports appear as ``$HOST``, ``$PORT``, ``$NCCL_PORT``: they are picked at start);
+``python launch.py rollout=sglang ... dry_run=true`` prints them too, in the plan.
+"""
+
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Union
+
+from slime_hydra.config.errors import ConfigError, Problem
+from slime_hydra.config.passthrough import check_sglang_names, snapshot
+
+SGLANG_MODULE = "sglang.launch_server"
+"""The module every engine runs (``python -m sglang.launch_server``)."""
+INITIAL_WEIGHT_VERSION = "0"
+"""The weight_version an engine starts with (the embedded engine's default too); syncs set the trainer's step."""
+
+_JSON_PARSERS = ("json.loads", "json_list_type", "parse_cuda_graph_config_arg")
+_INT_TYPES = ("int", "Optional[int]")
+_FLOAT_TYPES = ("float", "Optional[float]")
+_STR_TYPES = ("str", "Optional[str]")
+
+Port = Union[int, str]
+"""A port number, or a placeholder such as ``$PORT`` when the command is only printed."""
+
+
+@dataclass(frozen=True)
+class SGLangLaunch:
+    """Everything that decides an SGLang engine's command line, except where it runs (host, ports)."""
+
+    model_path: str
+    """HF checkpoint directory the server loads (model.path); also its tokenizer."""
+    tp_size: int
+    """Tensor-parallel size = GPUs per engine (rollout.gpus_per_engine)."""
+    dtype: str
+    """SGLang --dtype: bfloat16 | float32."""
+    seed: int
+    """Base sampling seed (the config's seed); engine i runs with seed + i."""
+    context_tokens: int
+    """--context-length in tokens: the longest prompt + response the rollout and eval sets ask for."""
+    memory_saver: bool = False
+    """--enable-memory-saver: colocated engines release and resume GPU memory around training."""
+    options: dict = field(default_factory=dict)
+    """rollout.sglang passthrough options (ServerArgs field name -> value), rendered after the platform's flags."""
+
+    def command(self, index: int, host: str, port: Port, nccl_port: Port,
+                weight_version: str = INITIAL_WEIGHT_VERSION, python: str = sys.executable) -> list[str]:
+        """The argv of engine ``index``: ``python -m sglang.launch_server ...``; ConfigError if an option cannot be
+        rendered (every problem named by its rollout.sglang key)."""
+        argv = [python, "-m", SGLANG_MODULE,
+                "--model-path", self.model_path, "--tokenizer-path", self.model_path,
+                "--host", host, "--port", str(port), "--nccl-port", str(nccl_port),
+                "--tp-size", str(self.tp_size), "--dtype", self.dtype,
+                "--random-seed", str(self.seed + index), "--context-length", str(self.context_tokens),
+                "--weight-version", weight_version]
+        if self.memory_saver:
+            argv.append("--enable-memory-saver")
+        return argv + render_options(self.options)
+
+
+def launch_for(cfg, model_path: str | None = None) -> SGLangLaunch:
+    """The SGLangLaunch of a SlimeConfig (model_path: the checkpoint the run uses; default model.path)."""
+    path = model_path or cfg.model.path
+    if path is None:
+        raise ConfigError([Problem(("model.path", "rollout.backend"), "rollout=sglang needs a checkpoint directory",
+                                   "set model.path=/path/to/hf_checkpoint")])
+    budgets = [cfg.rollout.max_response_tokens] + [e.max_response_tokens for e in cfg.data.eval
+                                                   if e.max_response_tokens is not None]
+    return SGLangLaunch(
+        model_path=str(path), tp_size=cfg.rollout.gpus_per_engine,
+        dtype="bfloat16" if cfg.train.dtype == "bf16" else "float32", seed=cfg.seed,
+        context_tokens=cfg.data.max_prompt_tokens + max(budgets),
+        memory_saver=cfg.cluster.colocate, options=dict(cfg.rollout.sglang))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Passthrough options -> argv
+# ---------------------------------------------------------------------------------------------------------------------
+
+def render_options(options: dict) -> list[str]:
+    """rollout.sglang -> argv fragment, in the order written; ConfigError listing every problem."""
+    problems = list(check_sglang_names(options)) + list(value_problems(options))
+    if problems:
+        raise ConfigError(problems)
+    specs = snapshot("sglang_server_args")["options"]
+    argv: list[str] = []
+    for key, value in options.items():
+        argv += _render(key, specs[key], value)
+    return argv
+
+
+def value_problems(options: dict) -> Iterator[Problem]:
+    """Values that cannot be rendered (wrong type, not a choice, no command-line flag); keys whose name is
+    unknown or platform-owned are left to ``check_sglang_names``."""
+    names = {p.keys[0] for p in check_sglang_names(options)}
+    specs = snapshot("sglang_server_args")["options"]
+    version = snapshot("sglang_server_args")["version"]
+    for key, value in options.items():
+        dotted = f"rollout.sglang.{key}"
+        if dotted in names:
+            continue
+        try:
+            _render(key, specs[key], value)
+        except _Unrenderable as error:
+            yield Problem((dotted,), f"{error.message} (SGLang {version})", error.fix)
+
+
+class _Unrenderable(ValueError):
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.message, self.fix = message, fix
+
+
+def _flag(spec: dict) -> str:
+    """The option's current spelling: its first flag that is not a deprecated one."""
+    deprecated = set(spec.get("deprecated_flags") or ())
+    return next((f for f in spec["flags"] if f not in deprecated), spec["flags"][0])
+
+
+def _render(key: str, spec: dict, value: Any) -> list[str]:
+    """One option -> its argv items (empty when the option keeps SGLang's default); _Unrenderable if it can't."""
+    if not spec["flags"]:
+        raise _Unrenderable(f"'{key}' has no command-line flag ({spec['cli']})",
+                            f"remove rollout.sglang.{key}: SGLang sets it internally")
+    if value is None:
+        return []
+    flag, kind, action = _flag(spec), spec["type"], spec.get("action")
+    if action == "argparse.BooleanOptionalAction":
+        _expect(key, value, bool, "true or false")
+        return [flag] if value else ["--no-" + flag[2:]]
+    if action == "LoRAPathAction":
+        return [flag] + _lora_paths(key, value)
+    if kind in ("bool", "Optional[bool]"):
+        _expect(key, value, bool, "true or false")
+        return [flag] if value else []
+    if spec.get("type_parser") in _JSON_PARSERS:
+        if isinstance(value, (dict, list)):
+            return [flag, json.dumps(value, separators=(",", ":"))]
+        _expect(key, value, str, "a dict, a list, or a JSON string")
+        return [flag, value]
+    if "List[" in kind and spec.get("type_parser") is None:
+        return _list(key, spec, flag, value)
+    return [flag, _scalar(key, spec, value)]
+
+
+def _expect(key: str, value: Any, types, what: str) -> None:
+    ok = isinstance(value, types) and not (types is not bool and isinstance(value, bool))
+    if not ok:
+        raise _Unrenderable(f"'{key}' takes {what}, got {value!r}", f"set rollout.sglang.{key} to {what}")
+
+
+def _lora_paths(key: str, value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [f"{name}={path}" for name, path in value.items()]
+    if isinstance(value, list):
+        items = []
+        for item in value:
+            if isinstance(item, dict) and {"lora_name", "lora_path"} <= set(item):
+                items.append(json.dumps(item, separators=(",", ":")))
+            elif isinstance(item, str):
+                items.append(item)
+            else:
+                raise _Unrenderable(f"'{key}' entry {item!r} is neither a path nor a {{lora_name, lora_path}} dict",
+                                    f"write rollout.sglang.{key} as {{name: path}} or a list of paths")
+        return items
+    _expect(key, value, str, "{name: path}, or a list of paths")
+    return [value]
+
+
+def _list(key: str, spec: dict, flag: str, value: Any) -> list[str]:
+    nargs = spec.get("nargs") or "+"
+    if not isinstance(value, list):
+        raise _Unrenderable(f"'{key}' takes a list, got {value!r}", f"write rollout.sglang.{key} as [a, b, ...]")
+    if not value and nargs == "+":
+        raise _Unrenderable(f"'{key}' needs at least one value on the command line",
+                            f"remove rollout.sglang.{key} to keep SGLang's default")
+    element = spec["type"].split("List[", 1)[1].split("]", 1)[0]
+    return [flag] + [_scalar(key, {"type": element, "choices": spec.get("choices")}, v) for v in value]
+
+
+def _scalar(key: str, spec: dict, value: Any) -> str:
+    kind, choices = spec["type"], spec.get("choices")
+    if choices:
+        if value not in choices:
+            raise _Unrenderable(f"'{key}'={value!r} is not one of {choices}",
+                                f"set rollout.sglang.{key} to one of them")
+        return str(value)
+    if kind in _INT_TYPES:
+        if spec.get("type_parser") == "human_readable_int" and isinstance(value, str):
+            return value  # SGLang reads suffixes such as 32k or 4Mi
+        _expect(key, value, int, "an integer")
+    elif kind in _FLOAT_TYPES:
+        _expect(key, value, (int, float), "a number")
+    elif kind in _STR_TYPES or kind.startswith(("Literal", "Optional[Literal")):
+        _expect(key, value, (str, int, float), "a string")
+    elif isinstance(value, (dict, list, bool)):
+        raise _Unrenderable(f"'{key}' ({kind}) takes one plain value on the command line, got {value!r}",
+                            f"set rollout.sglang.{key} to a string")
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Printing the commands
+# ---------------------------------------------------------------------------------------------------------------------
+
+def engine_commands(cfg, num_engines: int) -> list[str]:
+    """One shell line per engine, with $HOST / $PORT / $NCCL_PORT where values are picked at start."""
+    launch = launch_for(cfg, cfg.model.path or "$MODEL_PATH")
+    lines = []
+    for i in range(num_engines):
+        argv = launch.command(i, "$HOST", "$PORT", "$NCCL_PORT", python="python")
+        gpus = f"{launch.tp_size} GPU{'s' if launch.tp_size > 1 else ''} of the placement"
+        lines.append(f"# engine {i} of {num_engines} ({gpus}; CUDA_VISIBLE_DEVICES set from Ray)\n"
+                     + " ".join(a if a.startswith("$") else shlex.quote(a) for a in argv))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compose the config from Hydra overrides, validate it, print every engine's SGLang command; exit 2 on a bad
+    config."""
+    from slime_hydra.config import collect_problems, compose, to_config
+
+    try:
+        cfg = to_config(compose(list(sys.argv[1:] if argv is None else argv)))
+        problems, derived = collect_problems(cfg)
+        if problems:
+            raise ConfigError(problems)
+        if cfg.rollout.backend != "sglang":
+            raise ConfigError([Problem(("rollout.backend",), f"rollout.backend={cfg.rollout.backend} starts no "
+                                       "SGLang servers", "add rollout=sglang")])
+        lines = engine_commands(cfg, derived.num_engines)
+    except ConfigError as error:
+        print(f"slime_hydra: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
