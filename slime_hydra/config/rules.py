@@ -38,7 +38,7 @@ POSITIVE = (
     "model.ffn_hidden_size", "model.vocab_size", "model.max_position_embeddings",
     "data.max_prompt_tokens",
     "rollout.batch_prompts", "rollout.n_samples_per_prompt", "rollout.max_response_tokens",
-    "rollout.gpus_per_engine", "rollout.max_concurrency_per_engine",
+    "rollout.gpus_per_engine", "rollout.max_concurrency_per_engine", "rollout.max_filter_attempts",
     "reward.max_concurrency", "reward.timeout_s",
     "train.num_gpus", "train.tp", "train.pp", "train.cp", "train.ep", "train.micro_batch_samples",
     "train.lr", "train.weight_sync_bucket_mb",
@@ -51,7 +51,8 @@ POSITIVE_OR_NULL = (
 )
 NON_NEGATIVE = (
     "algo.eps_clip", "algo.kl_loss_coef", "algo.kl_coef", "algo.entropy_coef", "algo.overlong_buffer_tokens",
-    "data.row_start", "rollout.eval_every_steps", "reward.max_retries", "reward.backoff_s", "train.min_lr",
+    "data.row_start", "rollout.eval_every_steps", "rollout.health_check_interval_s", "rollout.max_generate_retries",
+    "reward.max_retries", "reward.backoff_s", "train.min_lr",
     "train.lr_warmup_steps", "train.weight_decay", "train.clip_grad", "cluster.gpus_per_node", "max_staleness",
     "save_every_steps",
 )
@@ -132,6 +133,12 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
         yield Problem(("train.backend", "train.tp", "train.pp", "train.cp"),
                       f"train=fsdp is data parallel only, but tp={t.tp} pp={t.pp} cp={t.cp}",
                       "use train=megatron for model parallelism, or set train.tp=1 train.pp=1 train.cp=1")
+    if t.cp > 1:
+        yield Problem(("train.cp",),
+                      f"train.cp={t.cp}: context parallelism is not implemented. megatron-core runs it only inside "
+                      "TransformerEngine's attention (its local DotProductAttention asserts cp=1), and train=megatron's "
+                      "SDPA core attention and sequence handling do not split sequences across ranks",
+                      "set train.cp=1; for long sequences lower train.max_tokens_per_gpu or raise train.tp / train.pp")
     if m.num_attention_heads % t.tp:
         yield Problem(("train.tp", "model.num_attention_heads"),
                       f"model.num_attention_heads={m.num_attention_heads} is not divisible by train.tp={t.tp}",

@@ -37,6 +37,13 @@ class RolloutConfig:
     """sglang-router load-balancing policy: round_robin | cache_aware | random | power_of_two."""
     partial_rollout: bool = False
     """Aborted (over-sampled) groups go back to the buffer and resume later instead of being discarded."""
+    max_filter_attempts: int = 3
+    """Generation rounds per batch before the buffer tops the batch up with filtered-out groups (>= 1)."""
+    health_check_interval_s: float = 2.0
+    """Seconds between the rollout manager's checks of every engine (process alive + GET /health); 0 disables."""
+    max_generate_retries: int = 3
+    """Retries, through the router, of a /generate that could not reach an engine (connection error, router 502/503),
+    before the rollout stops with an error naming the engine and the cause; 0 means no retry."""
     generate: Optional[str] = None
     """Dotted path of a custom async generate(cfg, sample, sampling_params) hook (multi-turn, tools); null default."""
     eval_every_steps: int = 0

@@ -12,6 +12,33 @@ in flight per engine), a group is scored as soon as all its samples are back, th
 every engine (``/abort_request``; sglang-router does not forward it, so engines are called directly): their
 partial samples come back aborted and the buffer recycles them (``rollout.partial_rollout``) or drops them.
 
+A round whose groups are all done while samples still wait for a concurrency slot never sends those: once the
+abort is decided they come back aborted without a request.
+
+Fault tolerance. Every ``rollout.health_check_interval_s`` the manager checks each engine: its process is alive
+(``EngineActor.alive``) and ``GET /health`` answers (3 failed answers in a row count as dead). A dead engine is
+removed from the router at once (so retries go to the others), restarted on the same port
+(``EngineActor.restart``: it comes back with the initial checkpoint), given the newest weights, and only then
+added back to the router. The newest weights are replayed from what the manager kept of the last completed sync:
+
+- ``disk``: the trainer's export directory and version (``/update_weights_from_disk`` again);
+- ``tensor`` on CPU: the buckets pass through this actor, so it keeps the newest tensor of every name (one copy
+  of the model in host memory) and sends them again;
+- no sync yet: nothing to do (the initial checkpoint is version 0);
+- ``distributed`` broadcast: the tensors never pass through the manager. The restarted engine stays
+  out of the router until the next sync reaches it (``finish_weight_update`` adds it back); a distributed group
+  that lost a member must be formed again by the trainer (``weight_group_stale``).
+
+Replays and syncs exclude each other (a sync holds ``_weights_lock`` from ``begin_weight_update`` to
+``finish_weight_update``; engines that are down are left out of it), so a restarted engine always ends on the
+newest version. A ``/generate`` that cannot reach an engine (connection error, router 502/503/504) is retried
+through the router up to ``rollout.max_generate_retries`` times (backoff 0.5 s, 1 s, 2 s ...; a health check runs
+first, so a dead engine is out of the router by then). Each retry starts the sample again from its state before
+the failed call (a copy taken before every call), so no sample keeps tokens of an engine's lost partial state;
+the only tokens a sample carries across engines are those of a recycled partial rollout, which is what
+``rollout.partial_rollout`` means. After the last retry the rollout stops with an error that names the engines
+that were down and why. Counted in ``rollout/engine_restarts`` and ``rollout/generate_retries``.
+
 Weights: ``update_weights_from_disk`` / ``init_weight_sync`` + ``update_weights_from_distributed`` /
 ``update_weights_from_tensor`` forward the trainer's weights to every engine; ``finish_weight_update(version)``
 flushes their caches, sets the version and makes the buffer drop groups older than ``max_staleness``. During
@@ -28,6 +55,7 @@ Checkpoint: ``state_dict()`` is JSON-safe: the prompt cursor and the buffer.
 """
 
 import asyncio
+import copy
 import math
 import statistics
 import time
@@ -42,11 +70,26 @@ from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.data.dataset import PromptDataset, load_eval_prompts, load_prompts
 from slime_hydra.data.source import PromptSource
 from slime_hydra.model.hf import load_tokenizer
-from slime_hydra.rollout.client import SGLangClient
+from slime_hydra.rollout.client import EngineError, EngineUnavailable, SGLangClient
 from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, sampling_params
-from slime_hydra.rollout.router import Router
+from slime_hydra.rollout.router import Router, RouterError
+from slime_hydra.weight_sync import buckets
 
 WEIGHT_GROUP = "weight_update_group"
+UNHEALTHY_CHECKS = 3
+"""Failed ``GET /health`` answers in a row after which a live engine process counts as dead and is restarted."""
+HEALTH_TIMEOUT_S = 5.0
+"""Seconds one health answer may take."""
+RETRY_BACKOFF_S = 0.5
+"""First pause before a /generate retry; doubled on each further retry."""
+REPLAY_BUCKET_BYTES = 256 * 2**20
+"""Largest request when replaying kept tensors into a restarted engine."""
+ROUTER_STATUS_RETRIED = (502, 503, 504)
+"""Router answers meaning it could not reach a worker (or has none healthy): the request is retried."""
+
+
+class EngineFailure(RuntimeError):
+    """Generation could not reach any engine after every retry (the message names the engines that were down)."""
 
 
 @dataclass
@@ -57,10 +100,22 @@ class EvalSet:
     params: dict
 
 
+@dataclass
+class WeightSource:
+    """What the newest completed weight sync was, so that a restarted engine can be given it again."""
+
+    kind: str
+    """initial (no sync yet) | disk | tensor | broadcast (distributed or CUDA IPC: not replayable here)."""
+    version: int = 0
+    """The weight version the sync set."""
+    path: Optional[str] = None
+    """disk: the exported HF checkpoint directory."""
+
+
 class RolloutManager:
-    def __init__(self, cfg: SlimeConfig, model_path: str, run_dir: str, engines: list, max_filter_rounds: int = 3):
+    def __init__(self, cfg: SlimeConfig, model_path: str, run_dir: str, engines: list):
         """cfg: the whole config (the manager reads rollout, data, reward, algo); engines: EngineActor handles
-        (already placed); max_filter_rounds: buffer rounds before falling back to filtered-out groups."""
+        (already placed)."""
         from slime_hydra.reward import RewardScorer
 
         self.cfg, self.rollout = cfg, cfg.rollout
@@ -72,7 +127,7 @@ class RolloutManager:
                                    seed=cfg.data.seed)
         dynamic = get_filter(cfg.algo.dynamic_filter, cfg.reward.reward_key)
         self.buffer = RolloutBuffer(
-            cfg.rollout.n_samples_per_prompt, [dynamic] if dynamic else [], max_attempts=max_filter_rounds,
+            cfg.rollout.n_samples_per_prompt, [dynamic] if dynamic else [], max_attempts=cfg.rollout.max_filter_attempts,
             max_staleness=cfg.max_staleness if cfg.mode == "async" else None,
             recycle_aborted=cfg.rollout.partial_rollout)
         self.reward = RewardScorer(cfg.reward)
@@ -83,6 +138,23 @@ class RolloutManager:
         self.router = Router(policy=cfg.rollout.router_policy, log_path=self.run_dir / "logs" / "router.log")
         self.max_context = cfg.model.max_position_embeddings
         self._paused = False
+        self._down: dict[int, str] = {}
+        """Engines out of service (index -> why), from the moment a check finds them dead until they are back."""
+        self._awaiting_weights: set[int] = set()
+        """Restarted engines that wait for the next sync (the newest weights could not be replayed)."""
+        self._restarts: dict[int, asyncio.Task] = {}
+        self._unhealthy_checks: dict[int, int] = {}
+        self._check_lock = asyncio.Lock()
+        self._weights_lock = asyncio.Lock()
+        self._sync_holds_lock = False
+        self._weights = WeightSource("initial")
+        self._incoming: Optional[WeightSource] = None
+        self._tensors: dict = {}
+        self._group_stale = False
+        self._monitor: Optional[asyncio.Task] = None
+        self.counts = {"engine_restarts": 0, "generate_retries": 0}
+        """Totals since start (a restart counts when the engine is found dead)."""
+        self._reported = dict(self.counts)
 
     def _eval_set(self, e) -> EvalSet:
         dataset = load_eval_prompts(e, self.cfg.data, self.tokenizer)
@@ -105,30 +177,185 @@ class RolloutManager:
         concurrency = self.rollout.max_concurrency_per_engine * len(self.engine_urls)
         self.slots = asyncio.Semaphore(concurrency)
         self.ctx = RolloutContext(self.rollout, self.client, self.tokenizer, self.max_context)
+        if self.rollout.health_check_interval_s > 0:
+            self._monitor = asyncio.ensure_future(self._watch_engines())
         return self.engine_urls
 
     def num_engines(self) -> int:
         return len(self.engines)
 
     async def _on_engines(self, method: str, *args, **kwargs) -> list:
-        return list(await asyncio.gather(*[getattr(c, method)(*args, **kwargs) for c in self.engine_clients]))
+        """Call every engine in service (engines being restarted are skipped; see the module docstring)."""
+        return list(await asyncio.gather(*[getattr(self.engine_clients[i], method)(*args, **kwargs)
+                                           for i in range(len(self.engine_clients)) if i not in self._down]))
+
+    async def _on_weight_receivers(self, method: str, *args, **kwargs) -> list:
+        """Call every engine a weight sync reaches: those in service and restarted ones waiting for weights."""
+        targets = [i for i in range(len(self.engine_clients)) if i not in self._down or i in self._awaiting_weights]
+        return list(await asyncio.gather(*[getattr(self.engine_clients[i], method)(*args, **kwargs)
+                                           for i in targets]))
+
+    # ---- fault tolerance -----------------------------------------------------------------------------------------
+    async def _watch_engines(self) -> None:
+        while True:
+            await asyncio.sleep(self.rollout.health_check_interval_s)
+            await self.check_engines()
+
+    async def check_engines(self) -> list[int]:
+        """Check every engine in service once (process alive, GET /health); start the restart of each dead one and
+        return their indices. Concurrent callers share one check."""
+        if self._check_lock.locked():
+            async with self._check_lock:
+                return []
+        async with self._check_lock:
+            dead = []
+            for i, (actor, client) in enumerate(zip(self.engines, self.engine_clients)):
+                if i in self._down:
+                    continue
+                if not await actor.alive.remote():
+                    cause = f"its process (pid {await actor.pid.remote()}) exited"
+                elif await client.health(timeout_s=HEALTH_TIMEOUT_S):
+                    self._unhealthy_checks[i] = 0
+                    continue
+                else:
+                    self._unhealthy_checks[i] = self._unhealthy_checks.get(i, 0) + 1
+                    if self._unhealthy_checks[i] < UNHEALTHY_CHECKS:
+                        continue
+                    cause = f"GET /health failed {UNHEALTHY_CHECKS} checks in a row"
+                await self._take_out(i, cause)
+                self._restarts[i] = asyncio.ensure_future(self._restart(i))
+                dead.append(i)
+            return dead
+
+    async def _take_out(self, i: int, cause: str) -> None:
+        """Mark engine i down and remove it from the router, so no new request reaches it."""
+        url = self.engine_urls[i]
+        self._down[i] = cause
+        self._unhealthy_checks[i] = 0
+        self.counts["engine_restarts"] += 1
+        print(f"rollout: engine {i} ({url}) is down: {cause}; restarting it (log engine_{i}.log)", flush=True)
+        try:
+            await asyncio.to_thread(self.router.remove_worker, url)
+        except RouterError as error:  # the router may have dropped it already; the restart goes on either way
+            print(f"rollout: removing engine {i} from the router: {error}", flush=True)
+
+    async def _restart(self, i: int) -> None:
+        """Restart engine i on its port, give it the newest weights, put it back in the router."""
+        url, cause = self.engine_urls[i], self._down[i]
+        try:
+            new_url = await self.engines[i].restart.remote()
+            if new_url != url:
+                raise RuntimeError(f"restarted at {new_url}, not on its old address {url}")
+            async with self._weights_lock:
+                if not await self._replay_weights(i):
+                    self._awaiting_weights.add(i)
+                    self._down[i] = f"restarted after: {cause}; waits for the next weight sync"
+                    self._group_stale = True
+                    return
+                await self._register(i)
+            print(f"rollout: engine {i} ({url}) is back at weight version {self._weights.version}", flush=True)
+        except Exception as error:
+            self._down[i] = f"{cause}; the restart failed: {type(error).__name__}: {error}"
+            print(f"rollout: engine {i} ({url}) {self._down[i]}", flush=True)
+
+    async def _replay_weights(self, i: int) -> bool:
+        """Give restarted engine i the newest synced weights; False when they cannot be replayed from here."""
+        source, client = self._weights, self.engine_clients[i]
+        version = str(source.version)
+        if source.kind == "disk":
+            await client.update_weights_from_disk(source.path, weight_version=version)
+        elif source.kind == "tensor":
+            chunks = list(buckets(iter(self._tensors.items()), REPLAY_BUCKET_BYTES))
+            for k, chunk in enumerate(chunks):
+                await client.update_weights_from_tensor(dict(chunk), weight_version=version if k == len(chunks) - 1
+                                                        else None, flush_cache=False)
+        elif source.kind == "broadcast":
+            return False
+        await client.flush_cache()
+        got = await client.get_weight_version()
+        if got != version:
+            raise RuntimeError(f"engine {i} reports weight version {got} after the replay of version {version}")
+        return True
+
+    async def _register(self, i: int) -> None:
+        """Add engine i back to the router and wait until the router lists it healthy."""
+        url = self.engine_urls[i]
+
+        await asyncio.to_thread(self.router.add_worker, url)
+        await asyncio.to_thread(self.router.wait_worker_healthy, url, 120.0)
+        self._down.pop(i, None)
+        self._awaiting_weights.discard(i)
+
+    async def engine_status(self) -> list[dict]:
+        """Per engine: index, url, up (in service), cause (why it is down, else None), in_router and
+        router_healthy (as the router lists it)."""
+        workers = {w.get("url"): w for w in await asyncio.to_thread(self.router.workers)}
+        return [{"index": i, "url": url, "up": i not in self._down, "cause": self._down.get(i),
+                 "in_router": url in workers, "router_healthy": bool(workers.get(url, {}).get("is_healthy"))}
+                for i, url in enumerate(self.engine_urls)]
+
+    async def wait_engines_settled(self, timeout_s: float = 300.0) -> None:
+        """Wait until no restart is in progress."""
+        running = [t for t in self._restarts.values() if not t.done()]
+        if running:
+            await asyncio.wait_for(asyncio.gather(*running), timeout_s)
+
+    def weight_group_stale(self) -> bool:
+        """True when an engine was restarted since the distributed weight group was formed: the trainer must form
+        it again (``init_weight_sync``) before the next broadcast."""
+        return self._group_stale
+
+    def _down_report(self) -> str:
+        if not self._down:
+            return "every engine passed its last health check"
+        return "; ".join(f"engine {i} ({self.engine_urls[i]}): {cause}" for i, cause in sorted(self._down.items()))
 
     # ---- generation ----------------------------------------------------------------------------------------------
-    async def _generate_sample(self, sample: Sample, params: dict) -> list[Sample]:
+    async def _generate_sample(self, sample: Sample, params: dict,
+                               abort: Optional[asyncio.Event] = None) -> list[Sample]:
+        """Run the generate function on one sample, retrying calls that could not reach an engine (see the module
+        docstring); a sample still waiting for a slot when ``abort`` is set comes back aborted, unsent."""
         async with self.slots:
-            try:
-                out = await self.generate_fn(self.ctx, sample, dict(params))
-            except Exception as error:  # one bad sample must not end the rollout: it is marked and dropped
-                sample.status = Status.FAILED
-                sample.metadata["error"] = f"{type(error).__name__}: {error}"
-                return [sample]
-        return out if isinstance(out, list) else [out]
+            for attempt in range(self.rollout.max_generate_retries + 1):
+                if abort is not None and abort.is_set():
+                    sample.status = Status.ABORTED
+                    return [sample]
+                before = copy.deepcopy(sample)
+                try:
+                    out = await self.generate_fn(self.ctx, sample, dict(params))
+                    return out if isinstance(out, list) else [out]
+                except Exception as error:
+                    if not _unreachable(error):  # one bad sample must not end the rollout: it is marked and dropped
+                        sample.status = Status.FAILED
+                        sample.metadata["error"] = f"{type(error).__name__}: {error}"
+                        return [sample]
+                    last_error, sample = error, before
+                await self.check_engines()  # a dead engine leaves the router (and the error names it)
+                if attempt < self.rollout.max_generate_retries:
+                    self.counts["generate_retries"] += 1
+                    await self._await_an_engine()
+                    await asyncio.sleep(RETRY_BACKOFF_S * 2 ** attempt)
+        raise EngineFailure(
+            f"sample {sample.index} (group {sample.group_index}): /generate through the router {self.router.url} "
+            f"could not reach an engine in {self.rollout.max_generate_retries + 1} attempts "
+            f"(rollout.max_generate_retries={self.rollout.max_generate_retries}); last error: {last_error}. "
+            f"Engines: {self._down_report()}. Engine logs: engine_<i>.log; router log: {self.router.process.log_path}")
 
-    async def _generate_group(self, group: list[Sample], params: dict) -> list[Sample]:
+    async def _await_an_engine(self, timeout_s: float = 300.0) -> None:
+        """When every engine is down, wait (up to ``timeout_s``) until a restart has brought one back."""
+        deadline = time.monotonic() + timeout_s
+        while len(self._down) == len(self.engines) and time.monotonic() < deadline:
+            running = [t for t in self._restarts.values() if not t.done()]
+            if not running:
+                return
+            await asyncio.wait(running, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED)
+
+    async def _generate_group(self, group: list[Sample], params: dict,
+                              abort: Optional[asyncio.Event] = None) -> list[Sample]:
         """Generate the group's pending samples, then score it if every sample finished."""
         todo = [s for s in group if s.status is Status.PENDING]
         done = [s for s in group if s.status is not Status.PENDING]
-        results = await asyncio.gather(*[self._generate_sample(s, params) for s in todo])
+        results = await asyncio.gather(*[self._generate_sample(s, params, abort) for s in todo])
         samples = sorted(done + [x for r in results for x in r], key=lambda s: s.index)
         if all(s.is_done for s in samples):
             rewards = await self.reward.score_group([s.response for s in samples], [s.label for s in samples],
@@ -145,19 +372,38 @@ class RolloutManager:
         aborted = 0
         while (req := self.buffer.request(batch_prompts, self.rollout.over_sampling_batch_prompts)) is not None:
             groups = req.resume + self.buffer.new_groups(self.source.take(req.new_prompts))
-            tasks = [asyncio.ensure_future(self._generate_group(g, params)) for g in groups]
-            for next_done in asyncio.as_completed(tasks):
-                self.buffer.add_group(await next_done)
-                if self.buffer.enough(batch_prompts) and not all(t.done() for t in tasks):
-                    aborted += 1
-                    await self._on_engines("abort", abort_all=True)
+            abort = asyncio.Event()
+            tasks = [asyncio.ensure_future(self._generate_group(g, params, abort)) for g in groups]
+            try:
+                for next_done in asyncio.as_completed(tasks):
+                    self.buffer.add_group(await next_done)
+                    if self.buffer.enough(batch_prompts) and not abort.is_set() and not all(t.done() for t in tasks):
+                        aborted += 1
+                        abort.set()
+                        await self._abort_engines()
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                raise
         batch = self.buffer.take_batch(batch_prompts)
         samples = batch.samples
         metrics = self._rollout_metrics(samples)
         metrics.update({f"rollout/buffer/{k}": float(v) for k, v in batch.counts.items()})
         metrics["rollout/aborts"] = float(aborted)
+        # what happened since the previous batch's report (a restart may begin or end between batches)
+        metrics.update({f"rollout/{k}": float(v - self._reported[k]) for k, v in self.counts.items()})
+        self._reported = dict(self.counts)
         metrics["perf/rollout_time"] = time.monotonic() - start
         return {"samples": [s.to_dict() for s in samples], "metrics": metrics}
+
+    async def _abort_engines(self) -> None:
+        """/abort_request abort_all on every engine in service (one that died meanwhile is left to the checks)."""
+        results = await asyncio.gather(*[self.engine_clients[i].abort(abort_all=True)
+                                         for i in range(len(self.engine_clients)) if i not in self._down],
+                                       return_exceptions=True)
+        for error in results:
+            if isinstance(error, BaseException) and not _unreachable(error):
+                raise error
 
     def _rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
         rewards = [s.scalar_reward(self.cfg.reward.reward_key) for s in samples]
@@ -198,15 +444,19 @@ class RolloutManager:
     # ---- weights -------------------------------------------------------------------------------------------------
     async def begin_weight_update(self) -> None:
         """Hold generation in place (async mode: a rollout may be running) so updates apply at once."""
+        await self._weights_lock.acquire()  # held until finish_weight_update: no replay into a restart meanwhile
+        self._sync_holds_lock = True
         await self._on_engines("pause_generation", mode="in_place")
         self._paused = True
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
-        await self._on_engines("update_weights_from_disk", path, weight_version=str(version))
+        await self._on_weight_receivers("update_weights_from_disk", path, weight_version=str(version))
+        self._incoming = WeightSource("disk", version, str(path))
 
     async def init_weight_sync(self, master_address: str, master_port: int, backend: str) -> None:
         """Join every engine to the broadcast group whose rank 0 is the trainer (engine i is rank 1 + i)."""
         world = 1 + len(self.engine_clients)
+        self._group_stale = False
         await asyncio.gather(*[
             c.init_weights_update_group(master_address, master_port, 1 + i, world, WEIGHT_GROUP, backend=backend)
             for i, c in enumerate(self.engine_clients)])
@@ -214,21 +464,34 @@ class RolloutManager:
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               version: Optional[int]) -> None:
         """Receive one broadcast bucket; the last bucket of a sync carries the new version."""
-        await self._on_engines("update_weights_from_distributed", names, dtypes, shapes, WEIGHT_GROUP,
-                               weight_version=None if version is None else str(version), flush_cache=False)
+        self._incoming = WeightSource("broadcast")
+        await self._on_weight_receivers("update_weights_from_distributed", names, dtypes, shapes, WEIGHT_GROUP,
+                                        weight_version=None if version is None else str(version), flush_cache=False)
 
     async def update_weights_from_tensor(self, named: dict, version: Optional[int]) -> None:
         """Load one bucket of tensors sent through Ray; the last bucket of a sync carries the new version."""
-        await self._on_engines("update_weights_from_tensor", named,
-                               weight_version=None if version is None else str(version), flush_cache=False)
+        self._tensors.update(named)  # kept for restarted engines (the module docstring)
+        self._incoming = WeightSource("tensor")
+        await self._on_weight_receivers("update_weights_from_tensor", named,
+                                        weight_version=None if version is None else str(version), flush_cache=False)
 
     async def finish_weight_update(self, version: int) -> int:
         """Flush the engines' caches, resume generation, make ``version`` current in the buffer; returns the
-        groups dropped as stale."""
-        await self._on_engines("flush_cache")
+        groups dropped as stale. Restarted engines this sync reached go back into the router."""
+        await self._on_weight_receivers("flush_cache")
         if self._paused:
             await self._on_engines("continue_generation")
             self._paused = False
+        if self._incoming is not None:
+            self._weights = WeightSource(self._incoming.kind, version, self._incoming.path)
+            self._incoming = None
+            if self._weights.kind != "tensor":
+                self._tensors = {}
+            for i in sorted(self._awaiting_weights):
+                await self._register(i)
+        if self._sync_holds_lock:
+            self._sync_holds_lock = False
+            self._weights_lock.release()
         return self.buffer.set_weight_version(version)
 
     async def engine_weight_versions(self) -> list[str]:
@@ -243,10 +506,20 @@ class RolloutManager:
         self.buffer.load_state_dict(state["buffer"])
 
     async def shutdown(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+        for task in self._restarts.values():
+            task.cancel()
         for c in getattr(self, "engine_clients", []) + ([self.client] if hasattr(self, "client") else []):
             await c.close()
         await asyncio.gather(*[e.stop.remote() for e in self.engines])
         self.router.stop()
+
+
+def _unreachable(error: BaseException) -> bool:
+    """The call never got an engine's answer: nothing listened, or the router could not reach a worker."""
+    return isinstance(error, EngineUnavailable) or (
+        isinstance(error, EngineError) and error.status in ROUTER_STATUS_RETRIED)
 
 
 def _correct(sample: Sample, reward_key: Optional[str]) -> bool:

@@ -137,6 +137,11 @@ class Router:
         self._wait(ready, timeout_s, lambda: f"{min_healthy} healthy workers (last readiness: {last})")
         return last
 
+    def wait_worker_healthy(self, url: str, timeout_s: float = 60.0) -> None:
+        """Wait until the router lists the worker at ``url`` as healthy (after add_worker)."""
+        self._wait(lambda: any(w.get("url") == url and w.get("is_healthy") for w in self.workers()), timeout_s,
+                   f"{url} healthy in the worker list")
+
     def _wait(self, done: Callable[[], bool], timeout_s: float, what: Union[str, Callable[[], str]],
               poll_s: float = 0.2) -> None:
         deadline = time.monotonic() + timeout_s

@@ -20,6 +20,8 @@ INVALID = [
     (("train.num_gpus=3", "train.micro_batch_samples=1", "train.global_batch_samples=128"),
      "train.global_batch_samples", "dp(3)"),
     (("rollout.over_sampling_batch_prompts=16",), "rollout.over_sampling_batch_prompts", ">= 32"),
+    (("rollout.max_filter_attempts=0",), "rollout.max_filter_attempts", "rollout.max_filter_attempts to a value > 0"),
+    (("rollout.max_generate_retries=-1",), "rollout.max_generate_retries", "must be >= 0"),
     # parallelism
     ((*BIG, "train=megatron", "train.num_gpus=6", "train.tp=4"), "train.num_gpus", "multiple of 4"),
     ((*BIG, "train=megatron", "train.num_gpus=3", "train.tp=3", "train.micro_batch_samples=1"),

@@ -96,3 +96,29 @@ def send_weights(master_port: int, model_dir: str, world_size: int = 2, backend:
     print("sent", flush=True)
     sys.stdin.readline()
     destroy_weight_update_group(group)
+
+
+def manager_config(tmp_path: Path, *overrides: str):
+    """The composed config of a rollout-manager test: the tiny model (random init, no SFT), eval off."""
+    from slime_hydra.config import compose, to_config
+
+    return to_config(compose(["model.sft_warm_start_steps=0", "rollout.eval_every_steps=0", "data.eval=[]",
+                              f"output_dir={tmp_path}", "run_name=r", *overrides]))
+
+
+def start_manager(cfg, run_dir: Path, num_engines: int = 2):
+    """A RolloutManager actor with ``num_engines`` embedded CPU engines (one torch thread each), started; returns
+    (manager, engine actors, engine urls). Ray must be initialised."""
+    import ray
+
+    from slime_hydra.model.embedded import resolve_model_path
+    from slime_hydra.rollout.engines.actor import EngineActor
+    from slime_hydra.rollout.manager import RolloutManager
+
+    model_path = str(resolve_model_path(cfg.model, cfg.data, cfg.seed))
+    engines = [ray.remote(EngineActor).options(num_cpus=0).remote(
+        i, model_path, str(run_dir / "logs"), dtype="float32", max_batch_size=256, torch_threads=1)
+        for i in range(num_engines)]
+    manager = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, model_path, str(run_dir), engines)
+    urls = ray.get(manager.start.remote(), timeout=300)
+    return manager, engines, urls

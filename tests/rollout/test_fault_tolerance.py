@@ -1,0 +1,125 @@
+"""Fault tolerance of the rollout manager, for real: Ray, sglang-router, two embedded CPU engines on the tiny model.
+
+An engine process is killed with SIGKILL while a batch is generating; the batch must still come back whole (every
+prompt once, every sample index once), the engine must be restarted on its address with the newest weights (a
+different checkpoint pushed as version 1 before the rollout, so a restart that kept the initial weights shows in
+the greedy tokens), registered in the router again, and serve the next batch. A second test stops retries after the
+first failure and checks the error names the dead engine.
+"""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from slime_hydra.model.embedded import resolve_model_path
+from slime_hydra.rollout.client import SGLangClient
+from slime_hydra.rollout.engines.embedded import read_checkpoint
+from tests.rollout.helpers import manager_config, start_manager
+
+pytestmark = pytest.mark.slow
+SHAPE = ("rollout.batch_prompts=8", "rollout.n_samples_per_prompt=4", "rollout.max_response_tokens=128",
+         "rollout.health_check_interval_s=0.5")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray(tmp_path_factory):
+    os.environ["SLIME_HYDRA_CACHE"] = str(tmp_path_factory.getbasetemp() / "model_cache")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+async def _engine_info(urls: list[str]) -> list[dict]:
+    async def one(url):
+        async with SGLangClient(url) as c:
+            info = await c.server_info()
+            greedy = await c.generate([5, 6, 7, 8], {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+            return {"tokens": info["internal_states"][0]["generated_tokens"], "greedy": greedy["output_ids"],
+                    "version": info["weight_version"]}
+    return list(await asyncio.gather(*[one(u) for u in urls]))
+
+
+async def _wait_running(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with SGLangClient(url) as c:
+        while (await c.get_load())[0]["num_reqs"] == 0:
+            assert time.monotonic() < deadline, f"no request reached {url} within {timeout_s} s"
+            await asyncio.sleep(0.01)
+
+
+def test_engine_killed_mid_rollout_is_restarted_and_loses_nothing(tmp_path):
+    cfg = manager_config(tmp_path, *SHAPE)
+    manager, engines, urls = start_manager(cfg, tmp_path / "r")
+    try:
+        initial = asyncio.run(_engine_info(urls))
+        other = read_checkpoint(str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 1)))
+        ray.get(manager.begin_weight_update.remote())
+        ray.get(manager.update_weights_from_tensor.remote(other, 1))
+        ray.get(manager.finish_weight_update.remote(1))
+        synced = asyncio.run(_engine_info(urls))
+        assert synced[0]["greedy"] == synced[1]["greedy"] != initial[0]["greedy"]  # new weights, both engines
+
+        old_pid = ray.get(engines[1].pid.remote())
+        future = manager.generate_batch.remote()
+        asyncio.run(_wait_running(urls[1]))
+        os.kill(old_pid, signal.SIGKILL)
+        started = time.monotonic()
+        first = ray.get(future, timeout=180)
+        samples = first["samples"]
+
+        # the batch is whole: 8 prompts x 4 samples, every index once, every prompt once
+        assert len(samples) == 32
+        assert len({s["index"] for s in samples}) == 32
+        groups: dict[int, list] = {}
+        for s in samples:
+            groups.setdefault(s["group_index"], []).append(s)
+        assert sorted(len(g) for g in groups.values()) == [4] * 8
+        assert len({str(g[0]["prompt"]) for g in groups.values()}) == 8
+        assert all(len({str(s["prompt"]) for s in g}) == 1 for g in groups.values())
+        assert all(s["status"] in ("completed", "truncated") for s in samples)
+        assert all(s["weight_version"] == 1 for s in samples)
+        assert all(len(s["rollout_log_probs"]) == s["response_length"] > 0 for s in samples)
+
+        # the engine is back: new process, in the router and healthy there, same weights as the other
+        ray.get(manager.wait_engines_settled.remote(), timeout=180)
+        recovered_s = time.monotonic() - started
+        status = ray.get(manager.engine_status.remote())
+        assert [(e["up"], e["in_router"], e["router_healthy"]) for e in status] == [(True, True, True)] * 2
+        assert ray.get(engines[1].alive.remote()) and ray.get(engines[1].pid.remote()) != old_pid
+        assert ray.get(manager.engine_weight_versions.remote()) == ["1", "1"]
+        back = asyncio.run(_engine_info(urls))
+        assert back[1]["greedy"] == back[0]["greedy"] == synced[0]["greedy"]  # the replayed weights, not initial
+
+        # the next batch uses both engines and new prompts
+        second = ray.get(manager.generate_batch.remote(), timeout=180)
+        after = asyncio.run(_engine_info(urls))
+        assert after[0]["tokens"] > back[0]["tokens"] and after[1]["tokens"] > back[1]["tokens"]
+        assert len(second["samples"]) == 32
+        assert not {s["index"] for s in second["samples"]} & {s["index"] for s in samples}
+        restarts = first["metrics"]["rollout/engine_restarts"] + second["metrics"]["rollout/engine_restarts"]
+        assert restarts == 1
+        print(f"recovered in {recovered_s:.1f} s; retries {first['metrics']['rollout/generate_retries']:.0f}")
+    finally:
+        ray.get(manager.shutdown.remote(), timeout=60)
+
+
+def test_error_after_the_last_retry_names_the_dead_engine(tmp_path):
+    """One engine, no retry, no periodic checks: killing it makes the next batch fail with an error that names the
+    engine, its address and why it is down (the check that runs on the failure finds it)."""
+    cfg = manager_config(tmp_path, "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2",
+                         "rollout.max_generate_retries=0", "rollout.health_check_interval_s=0")
+    manager, engines, urls = start_manager(cfg, tmp_path / "r", num_engines=1)
+    try:
+        pid = ray.get(engines[0].pid.remote())
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ray.exceptions.RayTaskError) as raised:
+            ray.get(manager.generate_batch.remote(), timeout=120)
+        message = str(raised.value)
+        assert "EngineFailure" in message and "rollout.max_generate_retries=0" in message
+        assert f"engine 0 ({urls[0]}): its process (pid {pid}) exited" in message
+    finally:
+        ray.get(manager.shutdown.remote(), timeout=60)
