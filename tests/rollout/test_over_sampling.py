@@ -1,0 +1,116 @@
+"""Over-sampling with a dynamic filter, for real (Ray, sglang-router, two embedded CPU engines, the tiny model).
+
+A batch of 2 prompts over-samples 6. One group in flight per engine pair (max_concurrency_per_engine=1, 2 samples
+a group) and a reward that takes 0.3 s make the order deterministic: group 0 kept, group 1 rejected by the filter,
+group 2 kept -> enough: group 3 is generating while group 2 is scored, so the abort catches it with partial
+tokens (a sample that reaches EOS first stays completed); groups 4 and 5 never started. With ``rollout.partial_rollout=true`` the next batch resumes them first and
+group 3 continues its partial responses; with false they are dropped. Either way no request is left on an engine.
+"""
+
+import asyncio
+import os
+
+import pytest
+import ray
+
+from slime_hydra.config import PROJECT_ROOT
+from slime_hydra.rollout.client import SGLangClient
+from tests.rollout.helpers import manager_config, start_manager
+
+pytestmark = pytest.mark.slow
+SHAPE = ("rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2", "rollout.over_sampling_batch_prompts=6",
+         "rollout.max_response_tokens=160", "rollout.max_concurrency_per_engine=1",
+         "rollout.health_check_interval_s=0",
+         "algo.dynamic_filter=tests.rollout.test_over_sampling.reject_group_1",
+         "reward=custom", "reward.target=tests.rollout.test_over_sampling.slow_reward")
+
+
+def reject_group_1(group) -> tuple[bool, str]:
+    """The dynamic filter of these tests: every group but group 1 passes."""
+    return group[0].group_index != 1, "group_1"
+
+
+async def slow_reward(response: str, label, metadata: dict) -> float:
+    """A reward that takes 0.3 s (as a remote reward model would), so the next group generates meanwhile."""
+    await asyncio.sleep(0.3)
+    return float(len(response) % 2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray(tmp_path_factory):
+    os.environ["SLIME_HYDRA_CACHE"] = str(tmp_path_factory.getbasetemp() / "model_cache")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(PROJECT_ROOT)}})  # the actors import this module
+    yield
+    ray.shutdown()
+
+
+async def _requests_in_flight(urls: list[str]) -> list[int]:
+    async def one(url):
+        async with SGLangClient(url) as c:
+            return (await c.get_load())[0]["num_reqs"]
+    return list(await asyncio.gather(*[one(u) for u in urls]))
+
+
+def _groups(samples: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for s in samples:
+        out.setdefault(s["group_index"], []).append(s)
+    return out
+
+
+def _first_batch(manager, urls) -> dict:
+    """The first batch, checked the same way for both settings; returns its metrics."""
+    batch = ray.get(manager.generate_batch.remote(), timeout=180)
+    m = batch["metrics"]
+    assert sorted(_groups(batch["samples"])) == [0, 2]
+    assert all(s["status"] in ("completed", "truncated") for s in batch["samples"])
+    assert (m["rollout/buffer/kept"], m["rollout/buffer/filtered/group_1"], m.get("rollout/buffer/topped_up", 0)) == (2, 1, 0)
+    assert m["rollout/aborts"] == 1
+    assert asyncio.run(_requests_in_flight(urls)) == [0, 0]
+    return m
+
+
+def test_partial_rollout_recycles_aborted_groups_and_continues_them(tmp_path):
+    cfg = manager_config(tmp_path, *SHAPE, "rollout.partial_rollout=true")
+    manager, _, urls = start_manager(cfg, tmp_path / "r")
+    try:
+        m = _first_batch(manager, urls)
+        assert m["rollout/buffer/recycled"] == 3  # groups 3, 4, 5 came back aborted
+        pending = {g[0]["group_index"]: g for g in ray.get(manager.state_dict.remote())["buffer"]["pending"]}
+        assert sorted(pending) == [3, 4, 5]
+        # group 3 was cut off mid-response (a sample that hit EOS before the abort stays completed)
+        partial = {s["index"]: s for s in pending[3] if s["status"] == "pending"}
+        assert partial and all(0 < s["response_length"] < 160 for s in partial.values())
+        assert all(len(s["rollout_log_probs"]) == s["response_length"] for s in partial.values())
+        assert all(s["status"] == "pending" and s["response_length"] == 0
+                   for g in (pending[4], pending[5]) for s in g)  # never sent
+
+        second = ray.get(manager.generate_batch.remote(), timeout=180)
+        assert len(second["samples"]) == 4 and second["metrics"]["rollout/aborts"] == 1
+        held = ray.get(manager.state_dict.remote())["buffer"]
+        everywhere = second["samples"] + [s for k in ("kept", "pending") for g in held[k] for s in g]
+        resumed = {s["index"]: s for s in everywhere if s["index"] in partial}
+        assert sorted(resumed) == sorted(partial)  # resumed in round 1 of the next batch, never lost
+        assert sum(s["response_length"] for s in resumed.values()) > sum(s["response_length"] for s in partial.values())
+        for index, s in resumed.items():  # continued, not restarted: the partial tokens and logprobs are a prefix
+            before = partial[index]
+            assert s["tokens"][:len(before["tokens"])] == before["tokens"]
+            assert s["rollout_log_probs"][:before["response_length"]] == before["rollout_log_probs"]
+        assert asyncio.run(_requests_in_flight(urls)) == [0, 0]
+    finally:
+        ray.get(manager.shutdown.remote(), timeout=60)
+
+
+def test_without_partial_rollout_aborted_groups_are_dropped(tmp_path):
+    cfg = manager_config(tmp_path, *SHAPE, "rollout.partial_rollout=false")
+    manager, _, urls = start_manager(cfg, tmp_path / "r")
+    try:
+        m = _first_batch(manager, urls)
+        assert m["rollout/buffer/aborted_discarded"] == 3 and "rollout/buffer/recycled" not in m
+        assert ray.get(manager.state_dict.remote())["buffer"]["pending"] == []
+        second = ray.get(manager.generate_batch.remote(), timeout=180)
+        assert sorted(_groups(second["samples"])) == [6, 7]  # fresh prompts: groups 3-5 are gone for good
+        assert asyncio.run(_requests_in_flight(urls)) == [0, 0]
+    finally:
+        ray.get(manager.shutdown.remote(), timeout=60)
