@@ -1,8 +1,9 @@
 """train=megatron on CPU with gloo: HF <-> Megatron conversion for every family (logits equal at TP1 and TP2,
-weights round-trip), vocab-parallel logprobs, TP2 == DP2 == TP1 == FSDP on the same batch, logprob alignment and
-the reference policy, resume exactness, HF export.
+weights round-trip), vocab-parallel logprobs, TP2 == DP2 == PP2 == TP2xPP2 == TP1 == FSDP on the same batch, logprob
+alignment and the reference policy, the embedded engine's rollout logprobs, resume exactness (in process, and
+across killed processes at PP2), HF export, the PPO critic (values equal FSDP's, a step lowers the value loss).
 
-Spawned processes cost ~10 s each on the 2-core machine, so three module-scoped runs compute everything and the
+Spawned processes cost ~10 s each on the 2-core machine, so a few module-scoped runs compute everything and the
 tests assert on their results. Functions run on spawned ranks are module-level (pickled by name).
 On a GPU machine, ``python3 -m pytest -m gpu tests/train/test_megatron.py`` checks the CUDA path against HF (fp32
 logprobs; a bf16 step's loss and grad norm) and, with 2 GPUs, TP2 against DP2 over nccl.
@@ -10,13 +11,18 @@ logprobs; a bf16 step's loss and grad norm) and, with 2 GPUs, TP2 against DP2 ov
 
 from dataclasses import replace
 
+import asyncio
+
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from slime_hydra.algo.config import AlgoConfig
 from slime_hydra.model.config import ModelConfig
+from slime_hydra.train.batch import collate
 from slime_hydra.train.config import TrainConfig
+from slime_hydra.train.objectives import CriticLoss
 from slime_hydra.train.megatron.convert import hf_to_megatron, megatron_to_hf, param_map, shard
 from slime_hydra.train.megatron.model import Arch
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
@@ -27,9 +33,47 @@ CFG = dict(lr=1e-2, dtype="fp32", clip_grad=1.0)
 TRAIN_FAMILY = "qwen3"  # q/k norms: the one parameter whose gradient is partial on each TP rank
 
 
+CRITIC = CriticLoss(AlgoConfig(), max_response_tokens=8)
+"""PPO's clipped value loss (value_clip 0.2, coefficient 0.5), as the loop trains the critic."""
+ROLLOUT_PROMPTS = [[7], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [60, 61, 62]]
+
+
 @pytest.fixture(scope="module")
 def checkpoints():
     return {family: tiny_checkpoint(family) for family in FAMILIES}
+
+
+def critic_batch(values: torch.Tensor | None = None):
+    """toy_batch with fixed value targets (returns) and the critic's own values as old_values."""
+    batch = toy_batch()
+    returns = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(3)) * batch.loss_mask
+    batch.extras.update(returns=returns, old_values=values if values is not None else torch.zeros_like(returns))
+    return batch
+
+
+@pytest.fixture(scope="module")
+def rollouts(checkpoints, tmp_path_factory):
+    """Responses sampled (temperature 1) by the embedded engine from the training checkpoint, with its logprobs."""
+    from slime_hydra.rollout.client import SGLangClient
+    from slime_hydra.rollout.engines import start_embedded_engine
+
+    engine = start_embedded_engine(str(checkpoints[TRAIN_FAMILY]),
+                                   log_path=tmp_path_factory.mktemp("engine_log") / "engine.log")
+
+    async def generate():
+        async with SGLangClient(engine.url, timeout_s=120) as client:
+            return await client.generate(ROLLOUT_PROMPTS, [{"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True,
+                                                            "sampling_seed": i} for i in range(len(ROLLOUT_PROMPTS))],
+                                         return_logprob=True)
+    try:
+        replies = asyncio.run(generate())
+    finally:
+        engine.stop()
+    responses = [r["output_ids"] for r in replies]
+    engine_logp = [[item[0] for item in r["meta_info"]["output_token_logprobs"]] for r in replies]
+    batch = collate([p + r for p, r in zip(ROLLOUT_PROMPTS, responses)], [len(r) for r in responses],
+                    [[1] * len(r) for r in responses], pad_id=0)
+    return batch, engine_logp
 
 
 # ---- ranks' work --------------------------------------------------------------------------------------------
@@ -71,19 +115,33 @@ def _three_steps(backend, batch):
     return [(float(m["pg_loss"]), m["grad_norm"]) for m in (backend.train_step(batch, pg_loss) for _ in range(3))]
 
 
-def _one_rank(rank, world, path):
+def _one_rank(rank, world, path, rollout_batch, critic_dir):
     from slime_hydra.train.fsdp import FSDPBackend
     from slime_hydra.train.megatron.backend import MegatronBackend
 
     batch, out = toy_batch(), {}
     megatron = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=8), total_steps=3)
     out["megatron_hot"] = megatron.logprobs(batch, temperature=0.7, with_entropy=True)
+    out["rollout_logp"] = {"megatron": megatron.logprobs(rollout_batch)[0]}  # the checkpoint's weights
     out["tp1"] = _three_steps(megatron, batch)
     split = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=3), total_steps=3)
     out["tp1_micro3"] = _three_steps(split, batch)
+    out["tp1_micro3_weights"] = {name: t.clone() for name, t in split.iter_full_weights()}
     fsdp = FSDPBackend(path, TrainConfig(**CFG, micro_batch_samples=8), total_steps=3)
     out["fsdp_hot"] = fsdp.logprobs(batch, temperature=0.7, with_entropy=True)
+    out["rollout_logp"]["fsdp"] = fsdp.logprobs(rollout_batch)[0]
     out["fsdp"] = _three_steps(fsdp, batch)
+
+    critic_cfg = TrainConfig(**CFG, critic_lr=1e-4, micro_batch_samples=3)
+    fsdp_critic = FSDPBackend(path, critic_cfg, total_steps=1, role="critic")  # a fresh value head
+    out["fsdp_values"] = fsdp_critic.values(batch)
+    fsdp_critic.export_hf(critic_dir)  # the same weights for megatron's critic
+    critic = MegatronBackend(critic_dir, critic_cfg, total_steps=2, role="critic")
+    values = critic.values(batch)
+    fixed = critic_batch(values)
+    before = float(critic.train_step(fixed, CRITIC)["value_loss"])
+    after = float(CRITIC(critic.values(fixed), None, fixed)[1]["value_loss"])
+    out["critic"] = values, before, after, critic.scheduler.get_last_lr()[0]
 
     policy = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=3), total_steps=2, keep_reference=True)
     current, entropy = policy.logprobs(batch, "current", with_entropy=True)
@@ -94,7 +152,7 @@ def _one_rank(rank, world, path):
     out["policy"] = current, entropy, ref0, after, ref1
 
     out["refused"] = []
-    for bad in (dict(pp=2), dict(cp=2), dict(gradient_checkpointing=True), dict(megatron={"recompute_granularty": 1})):
+    for bad in (dict(cp=2), dict(ep=2), dict(gradient_checkpointing=True), dict(megatron={"recompute_granularty": 1})):
         try:
             MegatronBackend(path, TrainConfig(**CFG, **bad), total_steps=1)
             out["refused"].append(None)
@@ -141,9 +199,75 @@ def converted(checkpoints):
     return run_ranks(2, _convert_every_family, checkpoints)
 
 
+def _pipeline(rank, world, path, critic_dir, ckpt, export):
+    """PP2 on 2 ranks: the same calls as the PP1 run, a checkpoint after the first step, the critic."""
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    batch, out = toy_batch(), {}
+    policy = MegatronBackend(path, TrainConfig(**CFG, pp=2, micro_batch_samples=3), total_steps=3, keep_reference=True)
+    out["stage"] = (policy.pp_rank, policy.first_stage, policy.last_stage)
+    out["hot"] = policy.logprobs(batch, temperature=0.7, with_entropy=True)
+    out["steps"] = _three_steps_saving(policy, batch, ckpt)
+    out["weights"] = {name: t.clone() for name, t in policy.iter_full_weights()}
+    out["logp"] = policy.logprobs(batch)[0]
+    policy.export_hf(export)
+    critic = MegatronBackend(critic_dir, TrainConfig(**CFG, pp=2, critic_lr=1e-4, micro_batch_samples=3),
+                             total_steps=2, role="critic")
+    values = critic.values(batch)
+    fixed = critic_batch(values)
+    before = float(critic.train_step(fixed, CRITIC)["value_loss"])
+    out["critic"] = values, before, float(CRITIC(critic.values(fixed), None, fixed)[1]["value_loss"])
+    return out
+
+
+def _three_steps_saving(backend, batch, ckpt):
+    """_three_steps with a checkpoint after the first."""
+    steps = []
+    for k in range(3):
+        metrics = backend.train_step(batch, pg_loss)
+        steps.append((float(metrics["pg_loss"]), metrics["grad_norm"]))
+        if k == 0:
+            backend.save(ckpt)
+    return steps
+
+
+def _pipeline_resumed(rank, world, path, ckpt):
+    """Fresh processes (the saving ones are gone): load the PP2 checkpoint and take the next two steps."""
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    policy = MegatronBackend(path, TrainConfig(**CFG, pp=2, micro_batch_samples=3), total_steps=3, keep_reference=True)
+    policy.load(ckpt)
+    steps = [(float(m["pg_loss"]), m["grad_norm"]) for m in (policy.train_step(toy_batch(), pg_loss)
+                                                             for _ in range(2))]
+    return steps, policy.step
+
+
+def _tp2_pp2(rank, world, path):
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    backend = MegatronBackend(path, TrainConfig(**CFG, tp=2, pp=2, micro_batch_samples=3), total_steps=3)
+    batch = toy_batch()
+    hot = backend.logprobs(batch, temperature=0.7, with_entropy=True)
+    return (backend.tp_rank, backend.pp_rank), hot, _three_steps(backend, batch)[:1]
+
+
 @pytest.fixture(scope="module")
-def one_rank(checkpoints):
-    return run_ranks(1, _one_rank, checkpoints[TRAIN_FAMILY])[0]
+def critic_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("critic")
+
+
+@pytest.fixture(scope="module")
+def one_rank(checkpoints, rollouts, critic_dir):
+    return run_ranks(1, _one_rank, checkpoints[TRAIN_FAMILY], rollouts[0], critic_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def pipeline(checkpoints, one_rank, critic_dir, tmp_path_factory):
+    """(PP2 results per rank, the resumed run's per rank, the export dir); one_rank wrote the critic checkpoint."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    path = checkpoints[TRAIN_FAMILY]
+    saved = run_ranks(2, _pipeline, path, critic_dir, tmp / "ckpt", tmp / "hf")
+    return saved, run_ranks(2, _pipeline_resumed, path, tmp / "ckpt"), tmp / "hf"
 
 
 @pytest.fixture(scope="module")
@@ -307,10 +431,91 @@ def test_export_hf_and_full_weights_match_the_trained_model(two_ranks, checkpoin
 
 
 def test_unsupported_settings_are_refused_with_the_fix(one_rank):
-    pp, cp, recompute, passthrough = one_rank["refused"]
-    assert "train.pp=2" in pp and "train.cp=2" in cp
+    cp, ep, recompute, passthrough = one_rank["refused"]
+    assert "train.cp=2" in cp and "train.ep=2" in ep
     assert "gradient_checkpointing=false" in recompute
     assert "recompute_granularty" in passthrough
+
+
+def test_context_parallelism_fails_config_validation_naming_the_key():
+    from tests.config.helpers import problems
+
+    error = problems("model=qwen3_8b", "model.path=/ckpt/qwen3_8b", "train=megatron", "train.num_gpus=2",
+                     "train.cp=2", "train.micro_batch_samples=1")
+    (problem,) = [p for p in error.problems if "train.cp" in p.keys]
+    assert "TransformerEngine" in problem.message and problem.fix.startswith("set train.cp=1")
+
+
+# ---- the correctness gate: trainer == engine ----------------------------------------------------------------
+def test_trainer_logprobs_equal_the_embedded_engines_rollout_logprobs(one_rank, rollouts):
+    """fp32 on CPU, the same weights: mean |trainer - engine| < 1e-4 over the sampled response tokens."""
+    batch, engine_logp = rollouts
+    flat_engine = torch.tensor([x for row in engine_logp for x in row], dtype=torch.float64)
+    assert flat_engine.numel() == 6 * len(ROLLOUT_PROMPTS) and (flat_engine < 0).all()
+    for backend, logp in one_rank["rollout_logp"].items():
+        flat = torch.cat([logp[i, : len(row)] for i, row in enumerate(engine_logp)]).double()
+        assert (flat - flat_engine).abs().mean() < 1e-4, (backend, (flat - flat_engine).abs().max())
+
+
+# ---- pipeline parallelism -----------------------------------------------------------------------------------
+def test_pp2_logprobs_and_steps_equal_pp1(one_rank, pipeline):
+    """Same weights, batch and micro-batches (3, 3, 2 rows: the 1F1B schedule interleaves them): logprobs and
+    entropy within 1e-5, the first step's loss and grad norm within 1e-5 relative; two more Adam steps within 1e-4."""
+    saved, _, _ = pipeline
+    assert [r["stage"] for r in saved] == [(0, True, False), (1, False, True)]
+    pp1_logp, pp1_entropy = one_rank["megatron_hot"]
+    for rank in range(2):
+        logp, entropy = saved[rank]["hot"]  # broadcast from the last stage: every rank holds them
+        torch.testing.assert_close(logp, pp1_logp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, pp1_entropy, atol=1e-5, rtol=0)
+        assert _close(saved[rank]["steps"][:1], one_rank["tp1_micro3"][:1], 1e-5), saved[rank]["steps"]
+        assert _close(saved[rank]["steps"], one_rank["tp1_micro3"], 1e-4), saved[rank]["steps"]
+
+
+def test_pp2_full_weights_are_complete_on_every_rank_and_equal_pp1(one_rank, pipeline):
+    saved, _, export = pipeline
+    pp1 = one_rank["tp1_micro3_weights"]  # after the same three steps at PP1
+    exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
+    for rank in range(2):
+        weights = saved[rank]["weights"]
+        assert set(weights) == set(pp1) == set(exported)
+        for name, tensor in weights.items():
+            torch.testing.assert_close(tensor, pp1[name], atol=1e-5, rtol=0)
+            assert torch.equal(exported[name], saved[0]["weights"][name]), name
+    assert torch.equal(saved[0]["weights"]["lm_head.weight"], saved[0]["weights"]["model.embed_tokens.weight"])
+
+
+def test_pp2_checkpoint_resume_in_fresh_processes_reproduces_the_next_steps_exactly(pipeline):
+    saved, resumed, _ = pipeline
+    for rank in range(2):
+        steps, step = resumed[rank]
+        assert steps == saved[rank]["steps"][1:]  # bitwise equal loss and grad norm
+        assert step == 3
+
+
+@pytest.mark.slow
+def test_tp2_pp2_on_four_ranks_equals_tp1(one_rank, checkpoints):
+    results = run_ranks(4, _tp2_pp2, checkpoints[TRAIN_FAMILY])
+    assert sorted(r[0] for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    pp1_logp, pp1_entropy = one_rank["megatron_hot"]
+    for _, (logp, entropy), steps in results:
+        torch.testing.assert_close(logp, pp1_logp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, pp1_entropy, atol=1e-5, rtol=0)
+        assert _close(steps, one_rank["tp1_micro3"][:1], 1e-5), steps
+
+
+# ---- the PPO critic -----------------------------------------------------------------------------------------
+def test_critic_values_equal_fsdp_critic_and_a_step_lowers_the_value_loss(one_rank, pipeline):
+    values, before, after, lr = one_rank["critic"]
+    torch.testing.assert_close(values, one_rank["fsdp_values"], atol=1e-5, rtol=0)  # the same exported weights
+    assert values.abs().max() > 1e-3  # a real head, not zeros
+    assert lr == 1e-4  # train.critic_lr, not train.lr
+    assert after < before, (before, after)
+    saved, _, _ = pipeline
+    for rank in range(2):  # PP2 critic: the same values and the same step
+        pp_values, pp_before, pp_after = saved[rank]["critic"]
+        torch.testing.assert_close(pp_values, values, atol=1e-5, rtol=0)
+        assert abs(pp_before - before) <= 1e-5 * abs(before) and abs(pp_after - after) <= 1e-5 * abs(after)
 
 
 # ---- GPU (python3 -m pytest -m gpu tests/train/test_megatron.py on the GPU machine) -------------------------
@@ -357,17 +562,18 @@ def test_gpu_logprobs_and_bf16_step_match_hf(checkpoints, family):
     assert impl in ("local", "transformer_engine")
 
 
-def _gpu_tp(rank, world, path, tp):
+def _gpu_tp(rank, world, path, tp, pp=1):
     from slime_hydra.train.megatron.backend import MegatronBackend
 
-    backend = MegatronBackend(path, TrainConfig(**CFG, tp=tp, micro_batch_samples=2), total_steps=3)
+    backend = MegatronBackend(path, TrainConfig(**CFG, tp=tp, pp=pp, micro_batch_samples=2), total_steps=3)
     return _three_steps(backend, toy_batch().select(list(range(backend.dp_rank, 8, backend.dp_size))))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_tp2_equals_dp2(checkpoints):
-    tp2 = run_ranks(2, _gpu_tp, checkpoints[TRAIN_FAMILY], 2)[0]
+def test_gpu_tp2_and_pp2_equal_dp2(checkpoints):
     dp2 = run_ranks(2, _gpu_tp, checkpoints[TRAIN_FAMILY], 1)[0]
-    assert _close(tp2[:1], dp2[:1], 1e-4), (tp2, dp2)
-    assert _close(tp2, dp2, 1e-3), (tp2, dp2)
+    for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
+        got = run_ranks(2, _gpu_tp, checkpoints[TRAIN_FAMILY], tp, pp)[0]
+        assert _close(got[:1], dp2[:1], 1e-4), (name, got, dp2)
+        assert _close(got, dp2, 1e-3), (name, got, dp2)

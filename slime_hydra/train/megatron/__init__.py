@@ -1,10 +1,11 @@
-"""train=megatron: megatron-core GPTModel built from an HF checkpoint's architecture, trained with tensor and data
-parallelism on torch.distributed (nccl on GPU, gloo on CPU).
+"""train=megatron: megatron-core GPTModel built from an HF checkpoint's architecture, trained with tensor, pipeline
+and data parallelism on torch.distributed (nccl on GPU, gloo on CPU); the policy and PPO's critic.
 
     model.py    Arch (the architecture facts of an HF config.json) -> TransformerConfig -> GPTModel
     spec.py     the transformer layer spec: torch SDPA core attention (no TransformerEngine or apex needed),
-                HF-exact RoPE, GLM-4's sandwich norms
-    convert.py  HF <-> Megatron weights, incl. TP sharding (QKV per query group, gate/up halves, vocab rows)
+                HF-exact RoPE, GLM-4's sandwich norms, the critic's value head
+    convert.py  HF <-> Megatron weights, incl. TP sharding (QKV per query group, gate/up halves, vocab rows) and
+                PP stages (global layer numbers; export broadcasts over the PP group)
     vocab_parallel.py  logprobs and entropy over a vocabulary split across TP ranks (no logits gather)
-    backend.py  MegatronBackend: the backend protocol of train/fsdp.py on this model
+    backend.py  MegatronBackend: the backend protocol of train/fsdp.py on this model, incl. the 1F1B pipeline
 """

@@ -1,8 +1,19 @@
-"""train=megatron: megatron-core GPTModel with tensor parallelism (TP) inside a model replica and data
-parallelism (DP) across replicas; the backend protocol of train/fsdp.py, with the same semantics.
+"""train=megatron: megatron-core GPTModel with tensor (TP) and pipeline (PP) parallelism inside a model replica and
+data parallelism (DP) across replicas; the backend protocol of train/fsdp.py, with the same semantics, for the
+policy (role="actor") and PPO's critic (role="critic").
 
-Ranks: world = tp x dp (train.pp = train.cp = 1), TP fastest (ranks 0..tp-1 hold one replica). TP peers see the
-same rows (TrainGroup deals rows by ``dp_rank``/``dp_size``) and compute the same loss.
+Ranks: world = tp x pp x dp, megatron's order: TP fastest, then DP, PP slowest (stage s holds ranks
+[s * tp * dp, (s + 1) * tp * dp)). TP and PP peers see the same rows (TrainGroup deals rows by ``dp_rank``/``dp_size``)
+and report the same loss, logprobs and grad norm.
+
+Pipeline (pp > 1): each stage runs its layers on every micro-batch; activations [s, b, H] (fp32: with fp32
+parameters the residual stream is fp32 even under bf16 autocast) go to the next stage and their gradients come
+back, point to point between the ranks of the same TP slot, in megatron's 1F1B order (stage r runs
+pp - r - 1 warm-up forwards, then alternates one forward and one backward, then drains the backwards). Megatron's
+own schedules (``get_forward_backward_func``) allocate their receive buffers and token counter on CUDA
+(``torch.cuda.current_device()``, ``device="cuda"``), so they cannot run on the CPU test ranks; ``_pipeline`` is
+the same schedule over torch.distributed send/recv, identical on CPU (gloo) and GPU (nccl). The last stage turns
+its output into the loss (training) or logprobs/values, which it broadcasts over the PP group with the metrics.
 
 Loss scaling (as FSDP, over DP ranks): the loss callable's micro-batch mean is scaled by
 units(micro) / units(global batch, summed over DP ranks) * dp_size; gradients are summed over micro-batches and
@@ -10,24 +21,32 @@ averaged over the DP group, so the step equals one on the global-batch mean what
 
 Gradients: megatron's DistributedDataParallel and DistributedOptimizer need CUDA and megatron's own training loop
 state; this backend reduces gradients itself, identically on CPU (gloo) and GPU (nccl): after the last
-micro-batch, the q/k-norm gradients (shared across heads, each TP rank sees only its heads) are summed over TP,
-then every gradient is averaged over DP in flat buckets. The optimizer is optim.py's AdamW over this rank's
-parameter shards (fp32 masters; bf16 compute under autocast on GPU) -- no ZeRO sharding of optimizer states.
+micro-batch, the q/k-norm gradients (shared across heads, each TP rank sees only its heads) are summed over TP, a
+tied embedding's two copies (first stage's embedding, last stage's output layer, when pp > 1) are summed over
+megatron's embedding group, then every gradient is averaged over DP in flat buckets. The optimizer is optim.py's
+AdamW over this rank's parameter shards (fp32 masters; bf16 compute under autocast on GPU) -- no ZeRO sharding of
+optimizer states.
 
-Grad norm: sum of squares of the TP-split parameters all-reduced over TP, plus the replicated ones (norms) once;
-clipping as torch.nn.utils.clip_grad_norm_ (coefficient max_norm / (norm + 1e-6), capped at 1).
+Grad norm: sum of squares of the TP-split parameters all-reduced over TP, plus the replicated ones (norms) once,
+summed over the PP stages (the tied embedding's copy counted once); clipping as torch.nn.utils.clip_grad_norm_
+(coefficient max_norm / (norm + 1e-6), capped at 1).
 
 Logprobs: the output layer stays vocab-parallel; vocab_parallel.py turns this rank's logit slice into logprobs and
 entropy with all-reduces of max, sum-exp and the target logit over TP.
 
+Critic (role="critic"): the same trunk with ``spec.ValueHead`` as the output layer (HF's *ForTokenClassification
+``score``, loaded from the checkpoint when present, else fresh), trained with ``train.critic_lr``; ``values`` and
+``logprobs`` return V(s_j) aligned like logprobs (column j: the state before response token j).
+
 Reference policy: this rank's initial parameter shards on the host, swapped in for ``policy="ref"``.
 
-Checkpoints: per TP rank, model and optimizer shards (written by DP rank 0 of each TP slot), scheduler and step,
-and every rank's RNG state; resume needs the same world size and tp. To change the layout, export_hf and start a
-new run from the export (optimizer state is not carried).
+Checkpoints: per (PP stage, TP rank), model and optimizer shards (written by DP rank 0 of each slot), scheduler
+and step, and every rank's RNG state; resume needs the same world size, tp and pp. To change the layout,
+export_hf and start a new run from the export (optimizer state is not carried).
 
-Not supported (refused at construction): pipeline parallelism (pp > 1; it needs megatron's p2p schedules),
-context parallelism (cp > 1; the SDPA core attention has none), MoE (ep > 1), the PPO critic (train=fsdp has it).
+Not supported (refused at construction and by config validation, config/rules.py): context parallelism (cp > 1:
+megatron-core's CP lives in TransformerEngine's attention; the SDPA core attention and this backend do not split
+sequences), expert parallelism (ep > 1: the families converted here are dense).
 """
 
 import json
@@ -37,13 +56,13 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from slime_hydra.train.batch import TrainBatch, predicting_positions, loss_units, micro_batches
+from slime_hydra.train.batch import TrainBatch, predicting_positions, loss_units, micro_batches, response_values
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.fsdp import rng_state, set_rng_state
-from slime_hydra.train.megatron.convert import iter_hf_weights, load_hf_weights, param_map
+from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_hf_weights, stage_parameters, stage_table
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
@@ -62,26 +81,31 @@ class MegatronBackend:
 
         if not dist.is_initialized():
             raise RuntimeError("MegatronBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
-        if role != "actor":
-            raise ValueError("train=megatron trains the policy only; PPO's critic needs train=fsdp")
-        unsupported = [f"train.{k}={getattr(train, k)}" for k in ("pp", "cp", "ep") if getattr(train, k) != 1]
+        if role not in ("actor", "critic"):
+            raise ValueError(f"role must be actor or critic, got {role!r}")
+        unsupported = [f"train.{k}={getattr(train, k)}" for k in ("cp", "ep") if getattr(train, k) != 1]
         if unsupported:
-            raise ValueError(f"train=megatron supports tensor and data parallelism only; set {', '.join(unsupported)}"
-                             " to 1 (pipeline/context/expert parallelism are not implemented)")
+            raise ValueError(f"train=megatron supports tensor, pipeline and data parallelism; set "
+                             f"{', '.join(unsupported)} to 1 (context and expert parallelism are not implemented)")
         if train.gradient_checkpointing and not torch.cuda.is_available():
             raise ValueError("megatron's activation recompute saves CUDA RNG states: on CPU set "
                              "train.gradient_checkpointing=false")
         world = dist.get_world_size()
-        if world % train.tp:
-            raise ValueError(f"{world} ranks are not a multiple of train.tp={train.tp}")
-        self.train_cfg, self.loss_agg = train, loss_agg
+        if world % (train.tp * train.pp):
+            raise ValueError(f"{world} ranks are not a multiple of train.tp={train.tp} x train.pp={train.pp}")
+        self.train_cfg, self.loss_agg, self.role = train, loss_agg, role
+        self.head = "value" if role == "critic" else "lm"
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        init_parallel(train.tp)
+        init_parallel(train.tp, train.pp)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.tp_rank, self.tp_size = dist.get_rank(self.tp_group), train.tp
         self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
+        self.pp_rank, self.pp_size = dist.get_rank(self.pp_group), train.pp
+        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
 
+        self.model_path = str(model_path)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.arch = Arch.from_hf(self.hf_config)
         use_te = transformer_engine_available() and self.device.type == "cuda"
@@ -89,71 +113,161 @@ class MegatronBackend:
         if train.gradient_checkpointing:
             overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
                          **overrides}
-        config = transformer_config(self.arch, tp=train.tp, device=self.device.type, use_te=use_te,
+        config = transformer_config(self.arch, tp=train.tp, pp=train.pp, device=self.device.type, use_te=use_te,
                                     overrides=overrides)
-        self.model = build_model(self.arch, config, use_te, self.device)
-        load_hf_weights(self.model, model_path, self.arch)
-        self._tp_split = {p.megatron for p in param_map(self.arch, use_te) if p.kind != "replicated"}
-        self._tp_partial = {n for n, _ in self.model.named_parameters()
-                            if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))}
+        self.model = build_model(self.arch, config, use_te, self.device, head=self.head)
+        load_hf_weights(self.model, model_path, self.arch, head=self.head)
+        self.params = stage_parameters(self.model)
+        table = stage_table(self.model, self.arch, self.head)
+        self._tp_split = {p.megatron for p in table if p.kind != "replicated"}
+        self._tp_partial = [n for n in self.params if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
+        self._tied_copy = TIED_COPY in table  # this last stage holds a copy of the first stage's embedding
+        shared = ("embedding.word_embeddings.weight" if self.first_stage else TIED_COPY.megatron)
+        self._shared = (self.params[shared] if train.pp > 1 and self.head == "lm" and self.arch.tie_word_embeddings
+                        and (self.first_stage or self.last_stage) else None)
         self.vocab_start = self.tp_rank * (self.arch.vocab_size // self.tp_size)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if train.dtype == "bf16" and self.device.type == "cuda" else nullcontext())
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), train, total_steps, train.lr)
+        peak = train.critic_lr if role == "critic" else train.lr
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), train, total_steps, peak)
         self.step = 0
         self._ref_shards = host_copy(self._local_shards()) if keep_reference else None
 
     # ---- forward ----------------------------------------------------------------------------------------------
-    def _forward(self, mb: TrainBatch, temperature: float, with_entropy: bool):
-        """(logp, entropy) [B, T] of the response tokens, identical on every TP rank."""
+    def _stage(self, mb: TrainBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        """This stage's layers on a micro-batch: hidden states [L, B, H] out of every stage but the last, whose
+        output is [B, L, V / tp] logits (actor) or [B, L, 1] values (critic). ``hidden``: the previous stage's."""
         ids = mb.input_ids
-        length = ids.shape[1]
-        positions = torch.arange(length, device=ids.device).unsqueeze(0).expand_as(ids)
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        if not self.first_stage:
+            self.model.set_input_tensor(hidden)
         with self.autocast:  # right padding + causal attention: real tokens never see the padding
-            logits = self.model(ids, positions, None)  # [B, L, V / tp]
+            return self.model(ids, positions, None)
+
+    def _head(self, out: torch.Tensor, mb: TrainBatch, temperature: float, with_entropy: bool):
+        """Last stage: (logp, entropy) [B, T] of the response tokens, identical on every TP rank; the critic's
+        (values, None)."""
+        if self.head == "value":
+            return response_values(out, mb), None
+        length = mb.input_ids.shape[1]
         pos, valid = predicting_positions(mb, length)
         b, t = mb.loss_mask.shape
-        picked = torch.gather(logits, 1, pos.unsqueeze(-1).expand(b, t, logits.shape[-1])).float()
+        picked = torch.gather(out, 1, pos.unsqueeze(-1).expand(b, t, out.shape[-1])).float()
         if temperature != 1.0:
             picked = picked / temperature
-        targets = torch.gather(ids, 1, (pos + 1).clamp(max=length - 1))
+        targets = torch.gather(mb.input_ids, 1, (pos + 1).clamp(max=length - 1))
         logp, entropy = vocab_parallel_logprobs(picked, targets, self.vocab_start, self.tp_group, with_entropy)
         return logp * valid, (entropy * valid if with_entropy else None)
+
+    def _pipeline(self, mbs: list[TrainBatch], on_output: Callable, backward: bool) -> None:
+        """Every micro-batch through every stage in 1F1B order (module docstring); the last stage calls
+        ``on_output(k, micro_batch, output)``, which returns the scaled loss to backpropagate when ``backward``.
+        Collective over the PP group (each rank talks to its neighbours of the same TP slot)."""
+        from megatron.core import parallel_state
+
+        n, hidden_size = len(mbs), self.arch.hidden_size
+        inputs, outputs, pending = [None] * n, [None] * n, []
+
+        def forward(k: int) -> None:
+            mb, hidden = mbs[k], None
+            if not self.first_stage:
+                hidden = torch.empty(mb.input_ids.shape[1], mb.size, hidden_size, device=self.device,
+                                     requires_grad=backward)
+                dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+            out = self._stage(mb, hidden)
+            if self.last_stage:
+                outputs[k] = on_output(k, mb, out)
+            else:
+                out = out.float()
+                pending.append((dist.isend(out.detach(), dst=parallel_state.get_pipeline_model_parallel_next_rank()),
+                                out))
+                outputs[k] = out if backward else None
+            inputs[k] = hidden if backward else None
+
+        def backward_step(k: int) -> None:
+            if self.last_stage:
+                outputs[k].backward()
+            else:
+                grad = torch.empty_like(outputs[k])
+                dist.recv(grad, src=parallel_state.get_pipeline_model_parallel_next_rank())
+                torch.autograd.backward(outputs[k], grad)
+            if not self.first_stage:
+                pending.append((dist.isend(inputs[k].grad, dst=parallel_state.get_pipeline_model_parallel_prev_rank()),
+                                inputs[k]))
+            inputs[k] = outputs[k] = None
+
+        if not backward:
+            for k in range(n):
+                forward(k)
+        else:
+            warmup = min(self.pp_size - self.pp_rank - 1, n)
+            for k in range(warmup):
+                forward(k)
+            for k in range(n - warmup):
+                forward(warmup + k)
+                backward_step(k)
+            for k in range(n - warmup, n):
+                backward_step(k)
+        for work, _ in pending:  # the tensor stays referenced until its send completes
+            work.wait()
+
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's host ``tensor`` on every stage (through the device: nccl carries CUDA tensors only)."""
+        if self.pp_size == 1:
+            return tensor
+        on_device = tensor.to(self.device)
+        dist.broadcast(on_device, src=dist.get_global_rank(self.pp_group, self.pp_size - 1), group=self.pp_group)
+        return on_device.cpu()
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, policy: str = "current", temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, T] logprobs (and entropy) of the response tokens under the current or the reference policy."""
+        """[B, T] logprobs (and entropy) of the response tokens under the current or the reference policy; the
+        critic returns its values V(s_j) instead. The same on every rank of the replica."""
         if policy == "ref" and self._ref_shards is None:
             raise ValueError("no reference policy kept: construct with keep_reference=True")
+        with_entropy = with_entropy and self.head == "lm"
+        logp = torch.zeros(batch.loss_mask.shape)
+        ent = torch.zeros(batch.loss_mask.shape) if with_entropy else None
+        groups = micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu)
+
+        def collect(k, mb, out):
+            lp, en = self._head(out, mb, temperature, with_entropy)
+            logp[groups[k], : lp.shape[1]] = lp.float().cpu()
+            if with_entropy:
+                ent[groups[k], : en.shape[1]] = en.float().cpu()
+
         with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext():
             self.model.eval()
-            logp = torch.zeros(batch.loss_mask.shape)
-            ent = torch.zeros(batch.loss_mask.shape) if with_entropy else None
-            for idx in micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu):
-                lp, en = self._forward(batch.select(idx).to(self.device), temperature, with_entropy)
-                logp[idx, : lp.shape[1]] = lp.float().cpu()
-                if with_entropy:
-                    ent[idx, : en.shape[1]] = en.float().cpu()
-        return logp, ent
+            self._pipeline([batch.select(idx).to(self.device) for idx in groups], collect, backward=False)
+        return self._from_last_stage(logp), (self._from_last_stage(ent) if with_entropy else None)
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """Critic only: [B, T] values of the states before each response token."""
+        if self.role != "critic":
+            raise ValueError("values() needs role='critic'")
+        return self.logprobs(batch)[0]
 
     # ---- training ---------------------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float = 1.0,
                    with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; returns averaged metrics + grad_norm, lr."""
         self.model.train()
+        with_entropy = with_entropy and self.head == "lm"
         groups = micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu)
         total_units = loss_units(batch.loss_mask, self.loss_agg).to(self.device, torch.float64)
         dist.all_reduce(total_units, group=self.dp_group)
         sums: dict[str, float] = {}
-        for idx in groups:
-            mb = batch.select(idx).to(self.device)
-            logp, entropy = self._forward(mb, temperature, with_entropy)
+
+        def loss_of(k, mb, out):
+            logp, entropy = self._head(out, mb, temperature, with_entropy)
             loss, metrics = loss_fn(logp, entropy, mb)
             weight = float(loss_units(mb.loss_mask, self.loss_agg)) / float(total_units)
-            (loss * weight * self.dp_size).backward()
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * weight
+            return loss * weight * self.dp_size
+
+        self._pipeline([batch.select(idx).to(self.device) for idx in groups], loss_of, backward=True)
         self._reduce_gradients()
         grad_norm = self._clip_gradients(self.train_cfg.clip_grad)
         lr = self.scheduler.get_last_lr()[0]
@@ -161,6 +275,11 @@ class MegatronBackend:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        if self.pp_size > 1:  # the metrics were computed on the last stage
+            box = [sums]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, self.pp_size - 1),
+                                       group=self.pp_group)
+            sums = box[0]
         reduced = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
         dist.all_reduce(reduced, group=self.dp_group)  # each DP rank's weighted sum covers its units
         out = dict(zip(sums, reduced.tolist()))
@@ -168,14 +287,17 @@ class MegatronBackend:
         return out
 
     def _reduce_gradients(self) -> None:
+        from megatron.core import parallel_state
+
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:  # every rank must bring every gradient to the collectives
                 p.grad = torch.zeros_like(p)
         if self.tp_size > 1:
-            for name, p in self.model.named_parameters():
-                if name in self._tp_partial:
-                    dist.all_reduce(p.grad, group=self.tp_group)
+            for name in self._tp_partial:
+                dist.all_reduce(self.params[name].grad, group=self.tp_group)
+        if self._shared is not None:  # d loss / d embedding = the input side's part + the output side's part
+            dist.all_reduce(self._shared.grad, group=parallel_state.get_embedding_group())
         if self.dp_size > 1:
             bucket, elements = [], 0
             for k, p in enumerate(params):
@@ -192,7 +314,9 @@ class MegatronBackend:
     def _clip_gradients(self, max_norm: float) -> float:
         split = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.model.named_parameters():
+        for name, p in self.params.items():
+            if self._tied_copy and name == TIED_COPY.megatron:
+                continue  # counted on the first stage, as the embedding
             square = p.grad.detach().double().pow(2).sum()
             if name in self._tp_split:
                 split += square
@@ -200,7 +324,10 @@ class MegatronBackend:
                 replicated += square
         if self.tp_size > 1:
             dist.all_reduce(split, group=self.tp_group)
-        norm = float((split + replicated).sqrt())
+        total = split + replicated
+        if self.pp_size > 1:
+            dist.all_reduce(total, group=self.pp_group)
+        norm = float(total.sqrt())
         if max_norm > 0:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
@@ -209,25 +336,33 @@ class MegatronBackend:
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) for every HF state-dict entry, gathered over TP one at a time. Collective: all
-        ranks of this TP group (every DP replica yields the same tensors)."""
-        yield from iter_hf_weights(self.model, self.arch, self.tp_group)
+        """(HF name, full tensor) for every HF state-dict entry, gathered over TP and broadcast over PP one at a
+        time; every rank gets every tensor. Collective: all ranks of this replica (every DP replica yields the same
+        tensors)."""
+        yield from iter_hf_weights(self.model, self.arch, self.tp_group, self.pp_group if self.pp_size > 1 else None,
+                                   head=self.head)
 
     def export_hf(self, out_dir: str | Path) -> None:
-        """Write an HF checkpoint (config + safetensors) of the current weights; rank 0 writes. Collective."""
-        if self.dp_rank == 0:  # the first replica's TP group gathers; the others hold the same weights
+        """Write an HF checkpoint (config + safetensors) of the current weights; rank 0 writes. Collective. The
+        critic exports as *ForTokenClassification with one label."""
+        if self.dp_rank == 0:  # the first replica gathers; the others hold the same weights
             state = {name: tensor.cpu() for name, tensor in self.iter_full_weights()}
             if dist.get_rank() == 0:
-                net = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
+                if self.head == "value":
+                    config = AutoConfig.from_pretrained(self.model_path, num_labels=1)
+                    net = AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+                else:
+                    net = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
                 net.load_state_dict(state, strict=True)
-                if self.hf_config.tie_word_embeddings:
+                if self.hf_config.tie_word_embeddings and self.head == "lm":
                     net.tie_weights()
                 net.save_pretrained(out_dir, safe_serialization=True)
         dist.barrier()
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
     def save(self, ckpt_dir: str | Path) -> None:
-        """Resumable checkpoint: this TP slot's parameters, optimizer and reference shards; scheduler, step; RNG."""
+        """Resumable checkpoint: this (PP stage, TP rank) slot's parameters, optimizer and reference shards;
+        scheduler, step; every rank's RNG."""
         from megatron.core import tensor_parallel
 
         ckpt_dir = Path(ckpt_dir)
@@ -235,13 +370,13 @@ class MegatronBackend:
         rank = dist.get_rank()
         if self.dp_rank == 0:
             torch.save({"model": host_copy(self._local_shards()), "optim": self.optimizer.state_dict(),
-                        "ref": self._ref_shards}, ckpt_dir / f"tp{self.tp_rank}.pt")
+                        "ref": self._ref_shards}, ckpt_dir / self._slot_file)
         torch.save({"rng": rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()},
                    ckpt_dir / f"rank{rank}.pt")
         if rank == 0:
             (ckpt_dir / "trainer.json").write_text(json.dumps(
                 {"step": self.step, "scheduler": self.scheduler.state_dict(), "world": dist.get_world_size(),
-                 "tp": self.tp_size}))
+                 "tp": self.tp_size, "pp": self.pp_size}))
         dist.barrier()
 
     def load(self, ckpt_dir: str | Path) -> None:
@@ -249,14 +384,15 @@ class MegatronBackend:
 
         ckpt_dir = Path(ckpt_dir)
         meta = json.loads((ckpt_dir / "trainer.json").read_text())
-        if (meta["world"], meta["tp"]) != (dist.get_world_size(), self.tp_size):
-            raise ValueError(f"checkpoint {ckpt_dir} was saved by {meta['world']} ranks at tp={meta['tp']}; this run "
-                             f"has {dist.get_world_size()} ranks at tp={self.tp_size}")
-        shards = torch.load(ckpt_dir / f"tp{self.tp_rank}.pt", map_location="cpu", weights_only=False)
+        saved = (meta["world"], meta["tp"], meta.get("pp", 1))
+        if saved != (dist.get_world_size(), self.tp_size, self.pp_size):
+            raise ValueError(f"checkpoint {ckpt_dir} was saved by {saved[0]} ranks at tp={saved[1]} pp={saved[2]}; "
+                             f"this run has {dist.get_world_size()} ranks at tp={self.tp_size} pp={self.pp_size}")
+        shards = torch.load(ckpt_dir / self._slot_file, map_location="cpu", weights_only=False)
         live = self._local_shards()
         with torch.no_grad():
-            for name, saved in shards["model"].items():
-                live[name].copy_(saved)
+            for name, tensor in shards["model"].items():
+                live[name].copy_(tensor)
         self.optimizer.load_state_dict(shards["optim"])
         self._ref_shards = shards["ref"]
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -264,6 +400,10 @@ class MegatronBackend:
         local = torch.load(ckpt_dir / f"rank{dist.get_rank()}.pt", weights_only=False)
         set_rng_state(local["rng"])
         tensor_parallel.get_cuda_rng_tracker().set_states(local["tracker"])
+
+    @property
+    def _slot_file(self) -> str:
+        return f"pp{self.pp_rank}_tp{self.tp_rank}.pt"
 
     # ---- reference swap ---------------------------------------------------------------------------------------
     def _local_shards(self) -> dict[str, torch.Tensor]:

@@ -15,6 +15,14 @@ TP group and splits them back into HF tensors.
 With fewer query groups than TP ranks megatron still splits the interleaved QKV rows evenly (and all-gathers the
 projection), which the same rule covers. TransformerEngine's spec fuses the pre-attention and pre-MLP norms into
 the next linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); the table follows it.
+
+Pipeline parallelism: the table uses global layer numbers (``decoder.layers.{i}``, as at PP=1); a stage's module
+numbers its layers from 0, so ``stage_parameters`` renames them by each layer's global ``layer_number``. A stage
+loads only the table rows it holds; export gathers a parameter over TP on the stage holding it and broadcasts the
+HF tensors over the PP group, so every rank sees every HF tensor.
+
+The PPO critic (head="value") has HF *ForTokenClassification names: the same trunk and ``score.{weight, bias}``
+(megatron ``output_layer.{weight, bias}``, replicated), no lm_head.
 """
 
 import json
@@ -39,10 +47,11 @@ class Param:
     """replicated | vocab | row | qkv | gate_up (see the module docstring)."""
 
 
-def param_map(arch: Arch, te: bool = False, for_export: bool = False) -> list[Param]:
-    """Every megatron parameter and its HF source, in HF state-dict order.
+def param_map(arch: Arch, te: bool = False, for_export: bool = False, head: str = "lm") -> list[Param]:
+    """Every megatron parameter and its HF source, in HF state-dict order (global layer numbers).
 
-    for_export adds ``lm_head.weight`` from the embedding when tied: HF state dicts list both names."""
+    for_export adds ``lm_head.weight`` from the embedding when tied: HF state dicts list both names.
+    head="value": the critic's ``score`` head in place of the LM head."""
     out = [Param("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
     for i in range(arch.num_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -68,7 +77,10 @@ def param_map(arch: Arch, te: bool = False, for_export: bool = False) -> list[Pa
         if arch.sandwich_norm:
             out.append(Param(m + "mlp_bda.norm.weight", (h + "post_mlp_layernorm.weight",), "replicated"))
     out.append(Param("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
-    if not arch.tie_word_embeddings:
+    if head == "value":
+        out.append(Param("output_layer.weight", ("score.weight",), "replicated"))
+        out.append(Param("output_layer.bias", ("score.bias",), "replicated"))
+    elif not arch.tie_word_embeddings:
         out.append(Param("output_layer.weight", ("lm_head.weight",), "vocab"))
     elif for_export:
         out.append(Param("embedding.word_embeddings.weight", ("lm_head.weight",), "vocab"))
@@ -130,25 +142,56 @@ def megatron_to_hf(per_rank: list[dict[str, torch.Tensor]], arch: Arch, te: bool
 
 
 # ---- a live model ----------------------------------------------------------------------------------------------
+TIED_COPY = Param("output_layer.weight", ("model.embed_tokens.weight",), "vocab")
+"""The last stage's copy of a tied embedding when pp > 1 (model.build_model)."""
+
+
 def _uses_te(model) -> bool:
     return model.config.transformer_impl == "transformer_engine"
 
 
-@torch.no_grad()
-def load_hf_weights(model, path: str | Path, arch: Arch) -> None:
-    """Copy an HF safetensors checkpoint into this TP rank's parameters, reading only the tensors it needs."""
-    from megatron.core import parallel_state
+def stage_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """This pipeline stage's parameters under their global (PP=1) names: ``decoder.layers.{j}`` of the stage is
+    layer ``layer_number - 1`` of the model."""
+    out = {}
+    for name, param in model.named_parameters():
+        if name.startswith("decoder.layers."):
+            local, rest = name[len("decoder.layers."):].split(".", 1)
+            name = f"decoder.layers.{model.decoder.layers[int(local)].layer_number - 1}.{rest}"
+        out[name] = param
+    return out
 
-    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    params = dict(model.named_parameters())
-    table = param_map(arch, _uses_te(model))
+
+def stage_table(model, arch: Arch, head: str = "lm") -> list[Param]:
+    """The rows of ``param_map`` this stage holds (plus the tied embedding's copy on the last stage)."""
+    params = stage_parameters(model)
+    table = [p for p in param_map(arch, _uses_te(model), head=head) if p.megatron in params]
+    if head == "lm" and arch.tie_word_embeddings and TIED_COPY.megatron in params:
+        table.append(TIED_COPY)
     missing = sorted(set(params) - {p.megatron for p in table})
     if missing:
         raise ValueError(f"megatron parameters without an HF source: {missing}")
+    return table
+
+
+@torch.no_grad()
+def load_hf_weights(model, path: str | Path, arch: Arch, head: str = "lm") -> None:
+    """Copy an HF safetensors checkpoint into this rank's parameters (its TP shard of its PP stage's), reading only
+    the tensors it needs. A critic from a causal-LM checkpoint (no ``score.weight``) gets a fresh head, the same on
+    every rank: weight ~ N(0, initializer_range^2) from seed 0, bias 0 (HF's initialisation of the score layer)."""
+    from megatron.core import parallel_state
+
+    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    params = stage_parameters(model)
     reader = _SafetensorsReader(path)
-    for p in table:
-        local = shard(p, [reader.get(n) for n in p.hf], arch, rank, size)
+    for p in stage_table(model, arch, head):
         target = params[p.megatron]
+        if p.hf[0].startswith("score.") and not reader.has(p.hf[0]):
+            std = json.loads((Path(path) / "config.json").read_text()).get("initializer_range", 0.02)
+            fresh = torch.empty(target.shape).normal_(0.0, std, generator=torch.Generator().manual_seed(0))
+            target.copy_(fresh if p.hf[0] == "score.weight" else torch.zeros(target.shape))
+            continue
+        local = shard(p, [reader.get(n) for n in p.hf], arch, rank, size)
         if local.shape != target.shape:
             raise ValueError(f"{p.megatron}: HF {list(p.hf)} shard to {tuple(local.shape)}, "
                              f"the model has {tuple(target.shape)}")
@@ -156,19 +199,39 @@ def load_hf_weights(model, path: str | Path, arch: Arch) -> None:
 
 
 @torch.no_grad()
-def iter_hf_weights(model, arch: Arch, tp_group) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) of every HF state-dict entry, one parameter gathered at a time. Collective over the TP
-    group: every rank of it must iterate to the end."""
-    params = dict(model.named_parameters())
+def iter_hf_weights(model, arch: Arch, tp_group, pp_group=None, head: str = "lm"
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of every HF state-dict entry, in HF order, one megatron parameter at a time: the stage
+    holding it all-gathers its shards over TP and unshards them, then (pp > 1) broadcasts the HF tensors over the
+    PP group. Collective over both groups: every rank of them must iterate to the end; every rank gets every
+    tensor."""
+    params = stage_parameters(model)
     size = dist.get_world_size(tp_group)
-    for p in param_map(arch, _uses_te(model), for_export=True):
-        local = params[p.megatron].detach()
-        if p.kind == "replicated" or size == 1:
-            shards = [local] * size
+    table = param_map(arch, _uses_te(model), for_export=True, head=head)
+    stages = 1 if pp_group is None else dist.get_world_size(pp_group)
+    held = [{p.megatron: [t.shape for t in unshard(p, [params[p.megatron].to("meta")] * size, arch)]
+             for p in table if p.megatron in params}]
+    if stages > 1:  # which stage holds what, and the HF shapes the others allocate to receive
+        mine, held = held[0], [None] * stages
+        dist.all_gather_object(held, mine, group=pp_group)
+    me = 0 if stages == 1 else dist.get_rank(pp_group)
+    for p in table:
+        owner = next(s for s in range(stages) if p.megatron in held[s])
+        if owner == me:
+            local = params[p.megatron].detach()
+            if p.kind == "replicated" or size == 1:
+                shards = [local] * size
+            else:
+                shards = [torch.empty_like(local) for _ in range(size)]
+                dist.all_gather(shards, local.contiguous(), group=tp_group)
+            tensors = [t.contiguous() for t in unshard(p, shards, arch)]
         else:
-            shards = [torch.empty_like(local) for _ in range(size)]
-            dist.all_gather(shards, local.contiguous(), group=tp_group)
-        yield from zip(p.hf, unshard(p, shards, arch))
+            device = next(iter(params.values())).device
+            tensors = [torch.empty(shape, device=device) for shape in held[owner][p.megatron]]
+        if stages > 1:
+            for t in tensors:
+                dist.broadcast(t, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+        yield from zip(p.hf, tensors)
 
 
 class _SafetensorsReader:
@@ -185,6 +248,9 @@ class _SafetensorsReader:
         else:
             raise FileNotFoundError(f"{path}: no model.safetensors(.index.json); train=megatron reads safetensors")
         self.files = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.where
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:

@@ -166,7 +166,7 @@ def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device
         add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
         rotary_interleaved=arch.rotary_interleaved, hidden_dropout=0.0, attention_dropout=arch.attention_dropout,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        params_dtype=torch.float32, use_cpu_initialization=device == "cpu", perform_initialization=False,
+        pipeline_dtype=torch.float32, params_dtype=torch.float32, use_cpu_initialization=device == "cpu", perform_initialization=False,
         transformer_impl="transformer_engine" if use_te else "local",
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
@@ -180,22 +180,38 @@ def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device
     return TransformerConfig(**kwargs)
 
 
-def build_model(arch: Arch, config, use_te: bool = False, device: str | torch.device = "cpu"):
-    """GPTModel on ``device`` (vocab-parallel output, tied embeddings when the checkpoint ties them) with HF-exact
-    RoPE. Weights are uninitialised: load them with convert.load_hf_weights."""
-    from megatron.core.models.gpt import GPTModel
+def build_model(arch: Arch, config, use_te: bool = False, device: str | torch.device = "cpu", head: str = "lm"):
+    """This pipeline stage's GPTModel on ``device`` with HF-exact RoPE. Weights are uninitialised: load them with
+    convert.load_hf_weights.
 
-    from slime_hydra.train.megatron.spec import HFRotaryEmbedding, block_spec
+    head="lm": the vocab-parallel output layer (tied to the embedding when the checkpoint ties them).
+    head="value": the PPO critic, ``ValueHead`` in the output layer's slot (HF's *ForTokenClassification "score").
+
+    Stages: the first holds the embedding, the last the final norm and the head, each its share of the layers
+    (megatron's own split; layer numbers stay global). With pp > 1 and tied embeddings the last stage holds a copy
+    of the embedding as its output layer; megatron would make the copies equal with an all-reduce that moves the
+    weight to CUDA, so the model gets no embedding group (``embd=None``) and the backend loads the copy from the
+    checkpoint and sums the two copies' gradients itself."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from slime_hydra.train.megatron.spec import HFRotaryEmbedding, ValueHead, block_spec
 
     tp = config.tensor_model_parallel_size
-    if arch.vocab_size % tp:
+    if head == "lm" and arch.vocab_size % tp:
         raise ValueError(f"vocab_size={arch.vocab_size} is not divisible by train.tp={tp} (the vocabulary is split "
                          "evenly across TP ranks)")
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    groups.embd = None
+    post_process = parallel_state.is_pipeline_last_stage()
     model = GPTModel(config=config, transformer_layer_spec=block_spec(arch, config, use_te),
                      vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
-                     pre_process=True, post_process=True, parallel_output=True,
-                     share_embeddings_and_output_weights=arch.tie_word_embeddings,
-                     position_embedding_type="rope")
+                     pre_process=parallel_state.is_pipeline_first_stage(), post_process=post_process,
+                     parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings and head == "lm",
+                     position_embedding_type="rope", pg_collection=groups)
+    if head == "value" and post_process:
+        model.output_layer = ValueHead(arch.hidden_size)
     model.to(device)  # linears are allocated on the GPU already; torch's norms are built on the host
     model.rotary_pos_emb = HFRotaryEmbedding(arch.inv_freq.to(device), arch.rotary_interleaved)
     return model

@@ -125,10 +125,28 @@ def layer_spec(arch, config, use_te: bool) -> ModuleSpec:
 
 
 def block_spec(arch, config, use_te: bool) -> TransformerBlockSubmodules:
-    """All decoder layers plus the final norm (explicit, so it is torch's RMSNorm or TENorm, never apex's)."""
+    """This pipeline stage's decoder layers (megatron's split of ``num_layers`` over the PP ranks) plus the final
+    norm (explicit, so it is torch's RMSNorm or TENorm, never apex's)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
         final_norm = WrappedTorchNorm
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(arch, config, use_te)] * config.num_layers,
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(arch, config, use_te)] * get_num_layers_to_build(config),
                                       layer_norm=final_norm)
+
+
+class ValueHead(torch.nn.Module):
+    """The PPO critic's head in GPTModel's output-layer slot: V = h w^T + b per position ([s, b, H] -> [s, b, 1]),
+    the same full weights on every TP rank (hidden states are not split across TP). Called as megatron calls its
+    output layer, ``(hidden, weight=None, runtime_gather_output=None) -> (values, None)``; parameters
+    ``output_layer.{weight [1, H], bias [1]}`` <-> HF *ForTokenClassification ``score.{weight, bias}``."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size))
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
