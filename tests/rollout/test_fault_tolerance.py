@@ -3,13 +3,16 @@
 An engine process is killed with SIGKILL while a batch is generating; the batch must still come back whole (every
 prompt once, every sample index once), the engine must be restarted on its address with the newest weights (a
 different checkpoint pushed as version 1 before the rollout, so a restart that kept the initial weights shows in
-the greedy tokens), registered in the router again, and serve the next batch. A second test stops retries after the
-first failure and checks the error names the dead engine.
+the greedy tokens), registered in the router again, and serve the next batch. A second test, with one engine,
+checks a failed request is retried once the engine is back, and that when the restart fails the error names the
+engine and why.
 """
 
 import asyncio
 import os
 import signal
+import socket
+import threading
 import time
 
 import pytest
@@ -49,6 +52,16 @@ async def _wait_running(url: str, timeout_s: float = 60.0) -> None:
         while (await c.get_load())[0]["num_reqs"] == 0:
             assert time.monotonic() < deadline, f"no request reached {url} within {timeout_s} s"
             await asyncio.sleep(0.01)
+
+
+def _close_every_connection(sock: socket.socket) -> None:
+    """Accept and close at once, until the socket is closed (a readiness probe fails fast instead of hanging)."""
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except OSError:
+            return
+        conn.close()
 
 
 def test_engine_killed_mid_rollout_is_restarted_and_loses_nothing(tmp_path):
@@ -107,19 +120,37 @@ def test_engine_killed_mid_rollout_is_restarted_and_loses_nothing(tmp_path):
         ray.get(manager.shutdown.remote(), timeout=60)
 
 
-def test_error_after_the_last_retry_names_the_dead_engine(tmp_path):
-    """One engine, no retry, no periodic checks: killing it makes the next batch fail with an error that names the
-    engine, its address and why it is down (the check that runs on the failure finds it)."""
+def test_generate_retries_after_a_restart_then_fails_naming_the_engine(tmp_path):
+    """One engine, no periodic checks, one retry. Killed, the engine fails the request; the check that runs on the
+    failure restarts it and the retry succeeds. Killed again, found by a check, and its port taken before the new
+    server binds it: the restart fails, the retry fails too, and the error names the engine, its address and both
+    causes."""
     cfg = manager_config(tmp_path, "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2",
-                         "rollout.max_generate_retries=0", "rollout.health_check_interval_s=0")
+                         "rollout.max_generate_retries=1", "rollout.health_check_interval_s=0")
     manager, engines, urls = start_manager(cfg, tmp_path / "r", num_engines=1)
     try:
+        os.kill(ray.get(engines[0].pid.remote()), signal.SIGKILL)
+        batch = ray.get(manager.generate_batch.remote(), timeout=180)
+        assert len(batch["samples"]) == 4 and len({s["index"] for s in batch["samples"]}) == 4
+        assert batch["metrics"]["rollout/engine_restarts"] == 1
+        assert batch["metrics"]["rollout/generate_retries"] >= 1
+        assert [e["up"] and e["in_router"] for e in ray.get(manager.engine_status.remote())] == [True]
+
         pid = ray.get(engines[0].pid.remote())
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(ray.exceptions.RayTaskError) as raised:
-            ray.get(manager.generate_batch.remote(), timeout=120)
+        while ray.get(engines[0].alive.remote()):  # SIGKILL lands within milliseconds
+            time.sleep(0.01)
+        port = int(urls[0].rsplit(":", 1)[1])
+        with socket.socket() as squatter:
+            assert ray.get(manager.check_engines.remote()) == [0]  # out of the router; the restart is loading
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()  # the restarted server cannot bind its port
+            threading.Thread(target=_close_every_connection, args=(squatter,), daemon=True).start()
+            with pytest.raises(ray.exceptions.RayTaskError) as raised:
+                ray.get(manager.generate_batch.remote(), timeout=180)
         message = str(raised.value)
-        assert "EngineFailure" in message and "rollout.max_generate_retries=0" in message
-        assert f"engine 0 ({urls[0]}): its process (pid {pid}) exited" in message
+        assert "EngineFailure" in message and "rollout.max_generate_retries=1" in message
+        assert f"engine 0 ({urls[0]}): its process (pid {pid}) exited; the restart failed" in message
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
