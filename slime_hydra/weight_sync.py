@@ -7,9 +7,11 @@ comes from ``train.weight_sync`` (``auto``: tensor when colocated, distributed o
   at the first sync). Tensors go in buckets of at most ``train.weight_sync_bucket_mb``: for each bucket rank 0
   asks the rollout manager to announce it to the engines (``/update_weights_from_distributed`` with the names,
   dtypes and shapes) and broadcasts the tensors in that order; the engines load them as they arrive.
-- **tensor**: buckets travel through Ray's object store to the rollout manager and into
-  ``/update_weights_from_tensor`` (base64 safetensors). This is the colocated path; on a GPU SGLang takes CUDA IPC
-  handles here instead, which the embedded engine does not implement (it copies through the host).
+- **tensor**: the colocated path. On GPUs every rank copies the bucket into one flat buffer on its GPU and shares
+  a CUDA IPC handle to it (``engines/weights.share_cuda_bucket``); rank 0 collects the handles and the manager
+  hands them to ``/update_weights_from_tensor`` (``load_format: cuda_ipc``): each engine copies, device to
+  device, from the buffer on its own GPU, and only ~1 KB of JSON per bucket goes through Ray and HTTP. On CPU the
+  buckets travel through Ray's object store as tensors and reach the engines as base64 safetensors.
 - **disk**: the trainer exports an HF checkpoint to ``<run_dir>/weights/latest`` and the engines reload it with
   ``/update_weights_from_disk``.
 
@@ -28,7 +30,9 @@ import ray
 import torch
 import torch.distributed as dist
 
-from slime_hydra.rollout.engines.weights import dtype_name, init_weight_update_group, send_named_tensors
+from slime_hydra.rollout.engines.weights import (
+    destroy_weight_update_group, dtype_name, init_weight_update_group, send_named_tensors, share_cuda_bucket,
+)
 
 METHODS = ("distributed", "tensor", "disk")
 
@@ -81,15 +85,16 @@ class WeightPusher:
                 ray.get(self.manager.update_weights_from_disk.remote(str(out), version))
                 sent = sum(f.stat().st_size for f in out.glob("*.safetensors"))
         else:
-            if self.method == "distributed" and self.group is None:
+            if self.method == "distributed":
                 self._join_group()
             bucket_list = buckets(self._tensors(), self.bucket_bytes)
             pending = next(bucket_list, None)
             while pending is not None:
                 following = next(bucket_list, None)
-                if self.rank == 0:
-                    sent += self._send(pending, version if following is None else None)
+                sent += self._send(pending, version if following is None else None)
                 pending = following
+            if torch.cuda.is_available():
+                torch.cuda.ipc_collect()  # free shared buffers the engines have let go of
         if self.rank == 0:
             ray.get(self.manager.finish_weight_update.remote(version))
         dist.barrier()
@@ -100,7 +105,18 @@ class WeightPusher:
             yield name, tensor.to(self.send_dtype) if tensor.is_floating_point() else tensor
 
     def _send(self, bucket: list[tuple[str, torch.Tensor]], version) -> int:
-        if self.method == "tensor":
+        """Hand one bucket to the engines (rank 0 talks to the manager; the CUDA IPC path needs every rank)."""
+        if self.method == "tensor" and bucket[0][1].is_cuda:
+            flat, handle = share_cuda_bucket(bucket)
+            handles = [None] * dist.get_world_size()
+            dist.all_gather_object(handles, handle)
+            if self.rank == 0:
+                ray.get(self.manager.update_weights_from_cuda_ipc.remote(handles, version))
+            dist.barrier()  # every engine has copied out of every rank's buffer: now it may go
+            del flat
+        elif self.rank != 0:
+            return 0
+        elif self.method == "tensor":
             ray.get(self.manager.update_weights_from_tensor.remote({n: t.cpu() for n, t in bucket}, version))
         else:
             names = [n for n, _ in bucket]
@@ -111,9 +127,15 @@ class WeightPusher:
         return sum(t.numel() * t.element_size() for _, t in bucket)
 
     def _join_group(self) -> None:
-        """Rank 0 hosts the broadcast group; the manager makes every engine join it (rank 1 + engine index)."""
+        """Rank 0 hosts the broadcast group; the manager makes every engine join it (rank 1 + engine index).
+        Formed at the first sync, and again after an engine restarted (the group lost a member)."""
         if self.rank != 0:
             return
+        if self.group is not None:
+            if not ray.get(self.manager.weight_group_stale.remote()):
+                return
+            destroy_weight_update_group(self.group)
+            self.group = None
         host = ray.util.get_node_ip_address()
         with socket.socket() as s:
             s.bind((host, 0))

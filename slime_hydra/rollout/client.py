@@ -11,6 +11,7 @@ server's message.
 """
 
 import asyncio
+import json
 import time
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
@@ -212,6 +213,16 @@ class SGLangClient:
         """Send tensors in the request body (base64 safetensors: the embedded engine's format)."""
         payload = {"serialized_named_tensors": [encode_named_tensors(named_tensors)], "flush_cache": flush_cache,
                    "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return await self.request("POST", "/update_weights_from_tensor", payload, timeout_s)
+
+    async def update_weights_from_cuda_ipc(self, handles: Sequence[Mapping], weight_version: Optional[str] = None,
+                                           flush_cache: bool = True, timeout_s: Optional[float] = None) -> Any:
+        """Point the engine at tensors in the trainer's GPU memory (``engines/weights.share_cuda_bucket`` entries,
+        one per trainer GPU); returns once it has copied them, after which the trainer may free the buffers."""
+        payload = {"serialized_named_tensors": [json.dumps(list(handles))], "load_format": "cuda_ipc",
+                   "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         return await self.request("POST", "/update_weights_from_tensor", payload, timeout_s)

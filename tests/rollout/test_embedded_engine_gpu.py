@@ -16,7 +16,7 @@ import torch
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines import free_port, start_embedded_engine
 from slime_hydra.rollout.engines.embedded import read_checkpoint
-from slime_hydra.rollout.engines.weights import dtype_name
+from slime_hydra.rollout.engines.weights import dtype_name, gpu_uuid, share_cuda_bucket
 from tests.rollout.helpers import (
     build_models, load, logprobs, mean_abs_diff, reference_greedy, reference_logprobs, tokens,
 )
@@ -133,3 +133,33 @@ def test_distributed_update_into_cuda(engine, models, backend):
         if sender.poll() is None:
             sender.kill()
             sender.wait()
+
+
+def test_cuda_ipc_update(engine, models):
+    """This process plays the colocated trainer: model b's weights in two buckets on cuda:0, shared by handle."""
+    weights = read_checkpoint(str(models["b"]))
+    names = sorted(weights)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    shared = [share_cuda_bucket([(n, weights[n].to("cuda:0")) for n in half]) for half in halves]
+    entry = shared[0][1]
+    assert entry["uuid"] == gpu_uuid(0) and [t[0] for t in entry["tensors"]] == halves[0]
+    assert all(t[3] % 256 == 0 for t in entry["tensors"])  # every tensor starts aligned
+
+    async def body(c):
+        await c.update_weights_from_cuda_ipc([shared[0][1]])
+        await c.update_weights_from_cuda_ipc([{**shared[1][1], "uuid": "GPU-elsewhere"}, shared[1][1]],
+                                             weight_version="ipc-1")
+        out = await c.generate(PROMPTS[2], {**GREEDY, "max_new_tokens": 16}, return_logprob=True)
+        try:
+            await c.update_weights_from_cuda_ipc([{**shared[1][1], "uuid": "GPU-elsewhere"}])
+            refused = ""
+        except Exception as error:  # the engine answers success=false naming the GPUs
+            refused = str(error)
+        await c.update_weights_from_disk(str(models["a"]), weight_version="0")
+        return out, refused
+
+    out, refused = run(body, engine.url)
+    assert out["meta_info"]["weight_version"] == "ipc-1"
+    assert tokens(out) == reference_greedy(models["model_b"], PROMPTS[2], 16)
+    assert mean_abs_diff(logprobs(out), reference_logprobs(models["model_b"], PROMPTS[2], tokens(out))[0]) < 1e-4
+    assert "no cuda_ipc handle for this engine's GPU" in refused and "GPU-elsewhere" in refused

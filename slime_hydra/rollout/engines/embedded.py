@@ -68,10 +68,12 @@ as in SGLang). An update waits until the running batch drains (new requests are 
 paused in place, in which case it applies at once and the paused requests continue on the new weights; with
 ``abort_all_requests`` it aborts them first. ``meta_info.weight_version`` is the version when the response was made.
 
-Weight transport: ``/update_weights_from_tensor`` takes ``serialized_named_tensors: [base64 safetensors]`` (see
-``engines/weights.py``; no pickle), ``/update_weights_from_distributed`` receives ``names``/``dtypes``/``shapes``
-broadcast from rank 0 of the group made by ``/init_weights_update_group`` (``master_address``, ``master_port``,
-``rank_offset``, ``world_size``, ``group_name``, ``backend``: gloo on CPU, nccl on GPU). Tensors may be any subset of
+Weight transport: ``/update_weights_from_tensor`` takes ``serialized_named_tensors: [base64 safetensors]``, or with
+``load_format: "cuda_ipc"`` a JSON list of CUDA IPC handles to the trainer's buffers on the same GPU (see
+``engines/weights.py``; no pickle either way). ``/update_weights_from_distributed`` receives
+``names``/``dtypes``/``shapes`` broadcast from rank 0 of the group made by ``/init_weights_update_group``
+(``master_address``, ``master_port``, ``rank_offset``, ``world_size``, ``group_name``, ``backend``: gloo on CPU, nccl
+on GPU). Tensors may be any subset of
 the model's state dict (buckets); ``/update_weights_from_disk {"model_path"}`` must cover every weight.
 
 ``/release_memory_occupation`` (needs an empty running batch: pause with ``abort`` or ``retract`` first) parks the
@@ -97,7 +99,7 @@ import torch
 from aiohttp import web
 
 from slime_hydra.rollout.engines.weights import (
-    decode_named_tensors, destroy_weight_update_group, init_weight_update_group, recv_named_tensors,
+    decode_named_tensors, destroy_weight_update_group, init_weight_update_group, open_cuda_bucket, recv_named_tensors,
 )
 
 logger = logging.getLogger("slime_hydra.engine")
@@ -540,9 +542,12 @@ class Engine:
                                "them (pause_generation mode=abort|retract) before releasing memory")
         parked = {}
         for target in self._tensors.values():
-            if id(target) not in parked:
-                parked[id(target)] = target.data.to("cpu")
-                target.data = torch.empty(0, dtype=target.dtype, device=self.device)
+            if id(target) not in parked:  # non_blocking: lands in pinned host memory (torch's caching allocator)
+                parked[id(target)] = target.data.to("cpu", non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for target in self._tensors.values():
+            target.data = torch.empty(0, dtype=target.dtype, device=self.device)
         self._parked = parked
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -552,7 +557,9 @@ class Engine:
             return
         for target in self._tensors.values():
             if id(target) in self._parked:
-                target.data = self._parked[id(target)].to(self.device)
+                target.data = self._parked[id(target)].to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self._parked = None
 
     def set_version(self, version: Optional[str], bump: bool) -> None:
@@ -1151,22 +1158,32 @@ def build_app(engine: Engine, max_request_mb: int = 4096) -> web.Application:
     async def update_weights_from_tensor(request):
         body = await _body(request)
         payloads = body.get("serialized_named_tensors")
+        fmt = body.get("load_format")
+        if fmt not in (None, "cuda_ipc"):
+            raise RequestError(f"load_format={fmt!r}: the embedded engine takes its default format (base64 "
+                               "safetensors) or cuda_ipc (see engines/weights.py)")
         if not isinstance(payloads, list) or len(payloads) != 1 or not isinstance(payloads[0], str):
-            raise RequestError("serialized_named_tensors must be a list with one base64 safetensors string "
-                               "(the embedded engine has one tensor-parallel rank)")
-        if body.get("load_format") is not None:
-            raise RequestError(f"load_format={body['load_format']!r}: the embedded engine takes only its default "
-                               "format (base64 safetensors, see engines/weights.py)")
+            raise RequestError("serialized_named_tensors must be a list with one string (the embedded engine has "
+                               "one tensor-parallel rank): base64 safetensors, or with load_format=cuda_ipc a JSON "
+                               "list of handles")
         abort_first(body)
-        named = await asyncio.to_thread(_as_request_error(decode_named_tensors), payloads[0])
+        if fmt == "cuda_ipc":  # views of the trainer's buffer: load before answering, the sender keeps it alive
+            named = _as_request_error(open_cuda_bucket)(payloads[0], engine.device)
+        else:
+            named = await asyncio.to_thread(_as_request_error(decode_named_tensors), payloads[0])
 
         def apply():
             engine.load_weights(named, complete=False)
             engine.set_version(body.get("weight_version"), bump=False)
+            if fmt == "cuda_ipc":
+                torch.cuda.current_stream(engine.device).synchronize()
 
         await engine.control(apply, drain=True)
-        logger.info("%d tensors loaded from a request; weight_version %s", len(named), engine.weight_version)
-        return _outcome(True, f"loaded {len(named)} tensors")
+        count = len(named)
+        named.clear()  # drop the views so the IPC mapping closes now
+        logger.info("%d tensors loaded from a request (%s); weight_version %s", count, fmt or "safetensors",
+                    engine.weight_version)
+        return _outcome(True, f"loaded {count} tensors")
 
     def memory_tags(body: dict) -> list:
         tags = body.get("tags") or list(MEMORY_TAGS)

@@ -12,6 +12,13 @@ Two transports move a trainer's weights into running engines without going throu
   engine tensor-parallel rank (the embedded engine has one). Here each string is the base64 text of a safetensors
   blob (``encode_named_tensors``): portable, no pickle, so nothing in a request can run code. Real SGLang expects its
   own serialisation (CUDA IPC handles of a colocated trainer) in that field; this format is the embedded engine's.
+- **CUDA IPC** (``load_format: "cuda_ipc"``, the colocated path on GPUs): the trainer copies a bucket into one flat
+  device buffer and sends only a handle to it (``share_cuda_bucket``): JSON with the buffer's CUDA IPC handle, the
+  GPU's UUID and each tensor's name, dtype, shape and byte offset. The engine on the same GPU opens the handle
+  (``open_cuda_bucket``) and copies device to device; nothing travels through the host. One entry per trainer GPU
+  may be given; an engine takes the one whose UUID is its own GPU's (device indices differ between processes
+  with different ``CUDA_VISIBLE_DEVICES``, UUIDs do not). The sender must keep the buffer alive until the
+  request returns. JSON, not pickle, so a request still cannot run code.
 
 Dtype names travel as torch's names without the ``torch.`` prefix (``bfloat16``); both spellings are accepted.
 
@@ -24,6 +31,7 @@ force. Multi-host groups keep the library defaults: set those variables as for a
 
 import base64
 import ipaddress
+import json
 import os
 import socket
 from contextlib import contextmanager
@@ -67,6 +75,78 @@ def decode_named_tensors(payload: str) -> dict[str, torch.Tensor]:
         return safetensors_load(base64.b64decode(payload, validate=True))
     except Exception as exc:  # binascii.Error, safetensors' SafetensorError: both mean a malformed payload
         raise ValueError(f"serialized_named_tensors entry is not base64 safetensors: {exc}") from exc
+
+
+IPC_ALIGN = 256
+"""Byte alignment of each tensor inside a shared bucket (any dtype can be viewed at such an offset)."""
+
+
+def gpu_uuid(device: Union[int, torch.device]) -> str:
+    """The GPU's UUID as text: the same physical GPU has the same UUID in every process."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def share_cuda_bucket(named: NamedTensors) -> tuple[torch.Tensor, dict]:
+    """Copy CUDA tensors into one flat uint8 buffer; returns (buffer, handle entry).
+
+    The entry (JSON-safe) is ``{"uuid", "handle", "size", "offset", "ref_counter_handle", "ref_counter_offset",
+    "event_handle", "event_sync_required", "tensors": [[name, dtype, shape, byte_offset], ...]}``; bytes fields are
+    base64. Keep the returned buffer alive until every engine has loaded from it.
+    """
+    items = _items(named)
+    if not items:
+        raise ValueError("share_cuda_bucket needs at least one tensor")
+    device = items[0][1].device
+    if device.type != "cuda" or any(t.device != device for _, t in items):
+        raise ValueError("share_cuda_bucket needs every tensor on one CUDA device")
+    layout, total = [], 0
+    for name, t in items:
+        layout.append([name, dtype_name(t.dtype), list(t.shape), total])
+        total += -(-t.numel() * t.element_size() // IPC_ALIGN) * IPC_ALIGN
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    for (_, t), (_, _, _, offset) in zip(items, layout):
+        nbytes = t.numel() * t.element_size()
+        flat[offset:offset + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    torch.cuda.current_stream(device).synchronize()
+    (_, handle, size, offset, rc_handle, rc_offset, event_handle,
+     event_sync) = flat.untyped_storage()._share_cuda_()
+    b64 = lambda raw: base64.b64encode(raw).decode("ascii") if raw else None  # noqa: E731
+    return flat, {"uuid": gpu_uuid(device), "handle": b64(handle), "size": int(size), "offset": int(offset),
+                  "ref_counter_handle": b64(rc_handle), "ref_counter_offset": int(rc_offset),
+                  "event_handle": b64(event_handle), "event_sync_required": bool(event_sync), "tensors": layout}
+
+
+def open_cuda_bucket(payload: str, device: Union[str, torch.device]) -> dict[str, torch.Tensor]:
+    """Engine side of ``share_cuda_bucket``: payload is the JSON list of entries (one per trainer GPU); opens the
+    entry of ``device``'s GPU and returns views of the sender's buffer (valid while the sender keeps it)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"load_format cuda_ipc needs the engine on a GPU, not {device}")
+    try:
+        entries = json.loads(payload)
+        mine = gpu_uuid(device)
+        entry = next((e for e in entries if e["uuid"] == mine), None)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"serialized_named_tensors entry is not a cuda_ipc handle list: {exc}") from exc
+    if entry is None:
+        raise ValueError(f"no cuda_ipc handle for this engine's GPU {mine} (handles from "
+                         f"{[e.get('uuid') for e in entries]}): CUDA IPC needs trainer and engine on the same GPU; "
+                         "use train.weight_sync=distributed when they are not colocated")
+    raw = lambda text: base64.b64decode(text) if text else b""  # noqa: E731
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index, raw(entry["handle"]), entry["size"], entry["offset"], raw(entry["ref_counter_handle"]),
+        entry["ref_counter_offset"], raw(entry["event_handle"]), entry["event_sync_required"])
+    flat = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage)
+    out = {}
+    for name, dtype, shape, offset in entry["tensors"]:
+        dt = dtype_from_name(dtype)
+        count = 1
+        for s in shape:
+            count *= int(s)
+        nbytes = count * torch.empty(0, dtype=dt).element_size()
+        out[name] = flat[offset:offset + nbytes].view(dt).view([int(s) for s in shape])
+    return out
 
 
 def _is_loopback(address: str) -> bool:
