@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The RL loop on GPUs, for speed (not learning): a Qwen2.5-0.5B-shaped random-init checkpoint (with the tiny
 # character tokenizer, so no download) trained with GRPO on the addition task for a few steps.
-#   bash scripts/bench_loop_gpu.sh colocated      # one GPU: trainer and engine share it, tensor weight sync
+#   bash scripts/bench_loop_gpu.sh colocated      # one GPU: trainer and engine take turns, CUDA IPC weight sync
 #   bash scripts/bench_loop_gpu.sh disaggregated  # two GPUs: trainer on one, engine on the other, NCCL broadcast
 # Prints the per-phase step times from metrics.jsonl (docs/benchmarks.md records them).
 set -euo pipefail
@@ -34,7 +34,8 @@ python3 - "$out/run/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "perf/step_time" in l]
 keys = ["perf/step_time", "perf/rollout_time", "perf/logprobs_time", "perf/train_time", "perf/weight_sync_time",
-        "perf/overhead_time", "perf/tokens_per_s", "rollout/tokens", "sync/bytes"]
+        "perf/offload_time", "perf/overhead_time", "perf/tokens_per_s", "rollout/tokens", "sync/bytes",
+        "perf/trainer_gpu_gb_engines", "perf/trainer_gpu_gb_trainer"]
 for r in rows:
     print(r["step"], " ".join(f"{k.split('/')[-1]}={r.get(k, float('nan')):.3f}" for k in keys))
 PY

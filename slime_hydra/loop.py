@@ -21,8 +21,14 @@ separate GPUs) the rollout of step k+1 is started before step k trains, on the w
 the buffer drops groups more than ``max_staleness`` versions old, and a sync that arrives mid-rollout is applied
 in place (generation continues on the new weights; TIS, ``algo.tis_cap``, corrects the mixed logprobs).
 
+Colocated on GPUs (``cluster.colocate``), trainer and engines take turns with the GPU memory: the trainer's
+parameters and optimizer state go to the host while the engines generate, the engines park their weights on the
+host while the trainer works, and both hold theirs for the weight sync (``hand_gpus_to``; CUDA IPC, no copy
+through the host).
+
 Phase times go to ``perf/<phase>_time`` (s): rollout (generate + reward, concurrent), logprobs (old + ref
-forward), train, sync, eval, checkpoint, and step; ``perf/overhead_time`` is the step time not in any phase.
+forward), train, sync, offload (colocated memory moves), eval, checkpoint, and step; ``perf/overhead_time`` is the
+step time not in any phase.
 
 Checkpoints (checkpoint.py): every ``save_every_steps`` steps, at the end, and when SIGTERM, SIGUSR1 or SIGUSR2
 arrives (launch/preempt.py records it; the step in progress finishes, the checkpoint is written, and ``run``
@@ -91,6 +97,8 @@ class Session:
             method = choose_method(cfg.train.weight_sync, cfg.cluster.colocate)
             self.trainer.connect_rollout(method, self.manager, cfg.train.weight_sync_bucket_mb, str(run_dir))
         self.step, self.next_rollout = 0, None
+        self.gpu_holder = "both"  # colocated on GPUs: who holds the GPU memory now (see hand_gpus_to)
+        self.trainer_gpu_bytes: dict[str, float] = {}
         if self.resume_from is not None:
             self.load(self.resume_from)
         self.tracker = Tracker(cfg.tracking, run_dir, run_dir.name, _flat_config(cfg),
@@ -136,6 +144,12 @@ class Session:
 
         cfg, d = self.cfg, self.d
         first = 0 if cfg.cluster.colocate else d.train_gpus
+        dtype = "bfloat16" if self.on_gpu and cfg.train.dtype == "bf16" else "float32"  # = weight_sync.engine_dtype
+        sglang = None
+        if cfg.rollout.backend == "sglang":
+            from slime_hydra.rollout.engines.sglang import launch_for
+
+            sglang = launch_for(cfg, str(self.model_path))
         engines = []
         for i in range(d.num_engines):
             bundle = first + i * cfg.rollout.gpus_per_engine
@@ -143,8 +157,9 @@ class Session:
             engines.append(ray.remote(EngineActor).options(
                 num_cpus=0, num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-            ).remote(i, str(self.model_path), str(self.run_dir / "logs"), max_batch_size=cfg.rollout.batch_prompts *
-                     cfg.rollout.n_samples_per_prompt, torch_threads=self.cpu_threads))
+            ).remote(i, str(self.model_path), str(self.run_dir / "logs"), dtype=dtype,
+                     max_batch_size=cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt,
+                     torch_threads=self.cpu_threads, sglang=sglang))
         self.manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
             cfg, str(self.model_path), str(self.run_dir), engines)
         self.engine_urls = ray.get(self.manager.start.remote())
@@ -159,17 +174,23 @@ class Session:
             while self.step < cfg.num_steps:
                 step_start = time.monotonic()
                 step = self.step
-                metrics = self.rollout_phase(step)                           # generate -> score -> filter
+                metrics = {"perf/offload_time": self.hand_gpus_to("engines")}  # colocated GPUs: memory moves
+                metrics.update(self.rollout_phase(step))                     # generate -> score -> filter
                 samples = metrics.pop("_samples")
                 if self.trainer is not None:
+                    metrics["perf/offload_time"] += self.hand_gpus_to("trainer")
                     metrics.update(self.train_phase(samples))               # old/ref logprobs -> advantages -> train
                     if (step + 1) % cfg.sync_every_steps == 0 and self.manager is not None:
+                        metrics["perf/offload_time"] += self.hand_gpus_to("both")
                         metrics.update(self.trainer.push_weights(step + 1))  # sync: engines get version step + 1
                 self.step = step + 1
                 if self._eval_due(self.step):
                     metrics.update(self.evaluate())                          # eval
                 if self._save_due() or preempt.requested():
                     metrics["perf/checkpoint_time"] = self.save()           # checkpoint
+                if not metrics["perf/offload_time"]:  # nothing moves unless colocated on GPUs
+                    del metrics["perf/offload_time"]
+                metrics.update({f"perf/trainer_gpu_gb_{k}": v / 2**30 for k, v in self.trainer_gpu_bytes.items()})
                 metrics["perf/step_time"] = time.monotonic() - step_start
                 metrics["perf/overhead_time"] = metrics["perf/step_time"] - sum(
                     v for k, v in metrics.items() if k.startswith("perf/") and k.endswith("_time")
@@ -181,6 +202,30 @@ class Session:
         if not self._save_due():
             self.save()
         return "done"
+
+    def hand_gpus_to(self, holder: str) -> float:
+        """Colocated on GPUs, trainer and engines take turns with the memory (slime's offload): "engines" (the
+        trainer's parameters and optimizer state go to the host; the engines resume) while generating, "trainer"
+        (the engines park their weights on the host) while training, "both" for the weight sync. Elsewhere
+        nothing moves. Returns the seconds it took; the trainer's GPU memory after the move (bytes, the largest
+        rank) is kept in ``self.trainer_gpu_bytes[holder]`` for tracking."""
+        active = self.cfg.cluster.colocate and self.on_gpu and None not in (self.trainer, self.manager)
+        if not active or holder == self.gpu_holder:
+            return 0.0
+        start = time.monotonic()
+        groups = [g for g in (self.trainer, self.critic) if g is not None]
+        if holder == "engines":
+            held = [b for g in groups for b in g.call("offload")]
+            ray.get(self.manager.resume_memory.remote())
+        else:
+            if holder == "trainer":
+                ray.get(self.manager.release_memory.remote())
+            held = [b for g in groups for b in g.call("onload")]
+            if holder == "both":
+                ray.get(self.manager.resume_memory.remote())
+        self.gpu_holder = holder
+        self.trainer_gpu_bytes[holder] = max(held)
+        return time.monotonic() - start
 
     def rollout_phase(self, step: int) -> dict:
         """This step's samples (under "_samples") and rollout metrics; in async mode also starts the next rollout."""

@@ -25,7 +25,7 @@ added back to the router. The newest weights are replayed from what the manager 
 - ``tensor`` on CPU: the buckets pass through this actor, so it keeps the newest tensor of every name (one copy
   of the model in host memory) and sends them again;
 - no sync yet: nothing to do (the initial checkpoint is version 0);
-- ``distributed`` broadcast: the tensors never pass through the manager. The restarted engine stays
+- ``distributed`` broadcast and CUDA IPC: the tensors never pass through the manager. The restarted engine stays
   out of the router until the next sync reaches it (``finish_weight_update`` adds it back); a distributed group
   that lost a member must be formed again by the trainer (``weight_group_stale``).
 
@@ -456,6 +456,12 @@ class RolloutManager:
     async def init_weight_sync(self, master_address: str, master_port: int, backend: str) -> None:
         """Join every engine to the broadcast group whose rank 0 is the trainer (engine i is rank 1 + i)."""
         world = 1 + len(self.engine_clients)
+        if self._group_stale:  # an engine restarted: the survivors leave the old group (the restarted one has none)
+            for client in self.engine_clients:
+                try:
+                    await client.destroy_weights_update_group(WEIGHT_GROUP)
+                except EngineError:
+                    pass
         self._group_stale = False
         await asyncio.gather(*[
             c.init_weights_update_group(master_address, master_port, 1 + i, world, WEIGHT_GROUP, backend=backend)
@@ -473,6 +479,12 @@ class RolloutManager:
         self._tensors.update(named)  # kept for restarted engines (the module docstring)
         self._incoming = WeightSource("tensor")
         await self._on_weight_receivers("update_weights_from_tensor", named,
+                                        weight_version=None if version is None else str(version), flush_cache=False)
+
+    async def update_weights_from_cuda_ipc(self, handles: list[dict], version: Optional[int]) -> None:
+        """Colocated GPUs: every engine copies one bucket from the trainer's GPU memory (the handle of its GPU)."""
+        self._incoming = WeightSource("broadcast")
+        await self._on_weight_receivers("update_weights_from_cuda_ipc", handles,
                                         weight_version=None if version is None else str(version), flush_cache=False)
 
     async def finish_weight_update(self, version: int) -> int:
@@ -493,6 +505,13 @@ class RolloutManager:
             self._sync_holds_lock = False
             self._weights_lock.release()
         return self.buffer.set_weight_version(version)
+
+    async def release_memory(self) -> None:
+        """Colocated GPUs: every engine parks its weights on the host so the trainer can use the GPU memory."""
+        await self._on_engines("release_memory_occupation")
+
+    async def resume_memory(self) -> None:
+        await self._on_engines("resume_memory_occupation")
 
     async def engine_weight_versions(self) -> list[str]:
         return await self._on_engines("get_weight_version")

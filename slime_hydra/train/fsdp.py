@@ -12,6 +12,9 @@ gradient equals that of the global-batch mean, whatever the micro-batch split.
 Critic (PPO): ``role="critic"`` loads the same checkpoint as a token-classification model with one output (a fresh
 value head), trains with ``train.critic_lr``, and its forward yields values in place of logprobs.
 
+Colocated with engines on GPUs, ``offload`` moves parameters and optimizer state to the host while the engines
+generate and ``onload`` brings them back (train/offload.py).
+
 Reference policy: the initial weights' local shards are kept on the host; ``logprobs(..., policy="ref")`` copies
 them into the parameters, runs the forward, and copies the trained shards back (slime's swap; no second GPU copy).
 """
@@ -33,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from slime_hydra.train.batch import TrainBatch, loss_units, micro_batches, response_logprobs, response_values
 from slime_hydra.train.config import TrainConfig
+from slime_hydra.train.offload import to_device, to_host
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.optim import build_optimizer
 
@@ -54,7 +58,8 @@ class FSDPBackend:
         self.role = role
         if role == "critic":  # PPO's value model: the same trunk with a fresh 1-output head ("score")
             model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32,
-                                                                    attn_implementation="sdpa")
+                                                                    attn_implementation="sdpa",
+                                                                    classifier_dropout=0.0)  # deterministic values
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         if train.gradient_checkpointing:
@@ -70,6 +75,7 @@ class FSDPBackend:
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), train, total_steps, peak)
         self.step = 0
         self._ref_shards = host_copy(self._local_shards()) if keep_reference else None
+        self._offloaded = None
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _forward(self, mb: TrainBatch, temperature: float, with_entropy: bool):
@@ -157,6 +163,21 @@ class FSDPBackend:
                 net.tie_weights()
             net.save_pretrained(out_dir, safe_serialization=True)
         dist.barrier()
+
+    # ---- colocated memory -------------------------------------------------------------------------------------------
+    def offload(self) -> float:
+        """Colocated GPUs: parameters and optimizer state to the host while engines generate (train/offload.py).
+        Returns the GPU bytes this process still holds (0 work on CPU)."""
+        if self.device.type == "cuda" and self._offloaded is None:
+            self._offloaded = to_host(self.model, self.optimizer)
+        return float(torch.cuda.memory_allocated()) if self.device.type == "cuda" else 0.0
+
+    def onload(self) -> float:
+        """Back on the GPU before training; returns the GPU bytes held."""
+        if self._offloaded is not None:
+            to_device(self.model, self.optimizer, self._offloaded, self.device)
+            self._offloaded = None
+        return float(torch.cuda.memory_allocated()) if self.device.type == "cuda" else 0.0
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
     def save(self, ckpt_dir: str | Path) -> None:

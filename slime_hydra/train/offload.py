@@ -1,0 +1,38 @@
+"""Trainer memory off the GPU while colocated engines generate (slime's offload), and back before training.
+
+    moved = to_host(model, optimizer)      # parameters, buffers, optimizer state -> host; returns what moved
+    to_device(model, optimizer, moved, device)
+
+Parameters and buffers move with ``module.to`` (an FSDP2 module re-registers its sharded parameters there);
+optimizer state tensors that were on the GPU move one by one and come back to the same device, so the
+optimizer's parameter references stay valid (``module.to`` keeps the Parameter objects). Copies are
+``non_blocking``: a device-to-host copy then lands in pinned memory from torch's caching host allocator (reused
+from one offload to the next), so both directions run at PCIe speed; one synchronize ends each move. Gradients are expected
+to be freed already (``zero_grad(set_to_none=True)`` after every step). The CUDA cache is emptied afterwards so
+the engines can take the memory.
+"""
+
+import torch
+
+
+def to_host(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[dict, str]]:
+    """Move the model and the optimizer's GPU state to the host; returns the (state dict, key) pairs moved."""
+    model.to("cpu", non_blocking=True)
+    moved = []
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.is_cuda:
+                state[key] = value.to("cpu", non_blocking=True)
+                moved.append((state, key))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return moved
+
+
+def to_device(model: torch.nn.Module, optimizer: torch.optim.Optimizer, moved: list[tuple[dict, str]],
+              device: torch.device) -> None:
+    """Inverse of ``to_host``."""
+    model.to(device, non_blocking=True)
+    for state, key in moved:
+        state[key] = state[key].to(device, non_blocking=True)
+    torch.cuda.synchronize()
