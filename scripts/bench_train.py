@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=None, help="samples per forward (default: all of a rank's)")
     parser.add_argument("--tp", type=int, default=None, help="megatron tensor-parallel size (default: world size)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the measured steps, profile one more step and print the N costliest ops (rank 0)")
     args = parser.parse_args()
 
     rank, world = init_process_group()
@@ -117,6 +119,17 @@ def main() -> None:
             torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            backend.train_step(mine, pg_loss)
+            if cuda:
+                torch.cuda.synchronize()
+        if rank == 0:
+            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=args.profile, max_name_column_width=60))
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                         device="cuda" if cuda else "cpu")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
