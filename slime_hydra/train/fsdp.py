@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from slime_hydra.train.batch import TrainBatch, loss_units, micro_batches, response_logprobs, response_values
 from slime_hydra.train.config import TrainConfig
@@ -57,9 +57,9 @@ class FSDPBackend:
             raise ValueError(f"role must be actor or critic, got {role!r}")
         self.role = role
         if role == "critic":  # PPO's value model: the same trunk with a fresh 1-output head ("score")
-            model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32,
-                                                                    attn_implementation="sdpa",
-                                                                    classifier_dropout=0.0)  # deterministic values
+            config = AutoConfig.from_pretrained(model_path, num_labels=1, classifier_dropout=0.0)  # deterministic
+            model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, dtype=torch.float32,
+                                                                    attn_implementation="sdpa")
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         if train.gradient_checkpointing:
