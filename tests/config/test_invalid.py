@@ -60,7 +60,7 @@ INVALID = [
     # algorithm
     (("rollout.n_samples_per_prompt=1",), "rollout.n_samples_per_prompt", "needs rollout.n_samples_per_prompt > 1"),
     (("algo=reinforce_pp_baseline", "rollout.n_samples_per_prompt=1"), "rollout.n_samples_per_prompt", "> 1"),
-    (("algo.kl_coef=0.01",), "algo.kl_loss_coef", "mutually exclusive"),
+    (("algo.kl_loss_coef=0.001", "algo.kl_coef=0.01"), "algo.kl_loss_coef", "mutually exclusive"),
     (("algo.eps_clip_c=0.5",), "algo.eps_clip_c", "must be > 1"),
     (("algo.tis_cap=0.5",), "algo.tis_cap", ">= 1"),
     (("algo.policy_loss=gspo",), "algo.loss_agg", "seq_mean_token_mean"),
@@ -121,7 +121,7 @@ def test_table_is_large():
 
 
 def test_all_problems_reported_at_once():
-    error = problems("rollout.n_samples_per_prompt=1", "algo.kl_coef=0.1", "train.micro_batch_samples=3",
+    error = problems("rollout.n_samples_per_prompt=1", "algo.kl_loss_coef=0.001", "algo.kl_coef=0.1", "train.micro_batch_samples=3",
                      "rollout.max_response_tokens=500", "algo.eps_clip_c=0.9")
     named = {k for p in error.problems for k in p.keys}
     assert {"rollout.n_samples_per_prompt", "algo.kl_coef", "train.micro_batch_samples",

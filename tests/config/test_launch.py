@@ -44,7 +44,8 @@ def test_typo_exits_2_with_nearest_name_before_composition():
 
 
 def test_invalid_config_exits_2_listing_every_problem(tmp_path):
-    out = launch("rollout.n_samples_per_prompt=1", "algo.kl_coef=0.1", f"output_dir={tmp_path}")
+    out = launch("rollout.n_samples_per_prompt=1", "algo.kl_loss_coef=0.001", "algo.kl_coef=0.1",
+                 f"output_dir={tmp_path}")
     assert out.returncode == 2
     assert "3 config problems" in out.stderr  # n=1 also leaves 32 samples for a 64-sample micro-batch
     assert "rollout.n_samples_per_prompt" in out.stderr and "mutually exclusive" in out.stderr

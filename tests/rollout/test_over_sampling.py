@@ -1,9 +1,10 @@
 """Over-sampling with a dynamic filter, for real (Ray, sglang-router, two embedded CPU engines, the tiny model).
 
 A batch of 2 prompts over-samples 6. One group in flight per engine pair (max_concurrency_per_engine=1, 2 samples
-a group) and a reward that takes 0.3 s make the order deterministic: group 0 kept, group 1 rejected by the filter,
-group 2 kept -> enough: group 3 is generating while group 2 is scored, so the abort catches it with partial
-tokens (a sample that reaches EOS first stays completed); groups 4 and 5 never started. With ``rollout.partial_rollout=true`` the next batch resumes them first and
+a group) and a reward that takes 0.3 s: group 1 is rejected by the filter, and once two groups are kept the
+groups still generating are aborted with partial tokens (a sample that reaches EOS first stays completed) while
+those not started never are. Which groups finish first depends on the machine's load, so the checks hold for
+any order. With ``rollout.partial_rollout=true`` the next batch resumes them first and
 group 3 continues its partial responses; with false they are dropped. Either way no request is left on an engine.
 """
 
@@ -60,12 +61,20 @@ def _groups(samples: list[dict]) -> dict[int, list[dict]]:
 
 
 def _first_batch(manager, urls) -> dict:
-    """The first batch, checked the same way for both settings; returns its metrics."""
+    """The first batch, checked the same way for both settings; returns its metrics.
+
+    Which groups finish first depends on the machine's load (CI saw group 3 finish before group 2), so this checks
+    what holds in any order: two kept groups of two samples, never the filtered group 1, every one of the six
+    over-sampled groups accounted for, one abort, nothing left on the engines."""
     batch = ray.get(manager.generate_batch.remote(), timeout=180)
     m = batch["metrics"]
-    assert sorted(_groups(batch["samples"])) == [0, 2]
+    groups = _groups(batch["samples"])
+    assert len(groups) == 2 and 1 not in groups and all(len(g) == 2 for g in groups.values())
     assert all(s["status"] in ("completed", "truncated") for s in batch["samples"])
-    assert (m["rollout/buffer/kept"], m["rollout/buffer/filtered/group_1"], m.get("rollout/buffer/topped_up", 0)) == (2, 1, 0)
+    assert m["rollout/buffer/kept"] >= 2 and m.get("rollout/buffer/topped_up", 0) == 0
+    assert m["rollout/buffer/filtered/group_1"] == 1
+    unfinished = m.get("rollout/buffer/recycled", 0) + m.get("rollout/buffer/aborted_discarded", 0)
+    assert m["rollout/buffer/kept"] + 1 + unfinished == 6
     assert m["rollout/aborts"] == 1
     assert asyncio.run(_requests_in_flight(urls)) == [0, 0]
     return m
@@ -76,15 +85,17 @@ def test_partial_rollout_recycles_aborted_groups_and_continues_them(tmp_path):
     manager, _, urls = start_manager(cfg, tmp_path / "r")
     try:
         m = _first_batch(manager, urls)
-        assert m["rollout/buffer/recycled"] == 3  # groups 3, 4, 5 came back aborted
+        recycled = m["rollout/buffer/recycled"]
         pending = {g[0]["group_index"]: g for g in ray.get(manager.state_dict.remote())["buffer"]["pending"]}
-        assert sorted(pending) == [3, 4, 5]
-        # group 3 was cut off mid-response (a sample that hit EOS before the abort stays completed)
-        partial = {s["index"]: s for s in pending[3] if s["status"] == "pending"}
-        assert partial and all(0 < s["response_length"] < 160 for s in partial.values())
+        assert len(pending) == recycled >= 1  # groups generating at the abort, and those never started
+        # groups cut off mid-response keep their tokens and logprobs (one that hit EOS first stays completed)
+        partial = {s["index"]: s for g in pending.values() for s in g
+                   if s["status"] == "pending" and s["response_length"] > 0}
+        assert all(0 < s["response_length"] < 160 for s in partial.values())
         assert all(len(s["rollout_log_probs"]) == s["response_length"] for s in partial.values())
         assert all(s["status"] == "pending" and s["response_length"] == 0
-                   for g in (pending[4], pending[5]) for s in g)  # never sent
+                   for g in pending.values() for s in g if s["index"] not in partial
+                   and s["status"] == "pending")  # never sent, or aborted before a token
 
         second = ray.get(manager.generate_batch.remote(), timeout=180)
         assert len(second["samples"]) == 4 and second["metrics"]["rollout/aborts"] == 1
@@ -107,10 +118,14 @@ def test_without_partial_rollout_aborted_groups_are_dropped(tmp_path):
     manager, _, urls = start_manager(cfg, tmp_path / "r")
     try:
         m = _first_batch(manager, urls)
-        assert m["rollout/buffer/aborted_discarded"] == 3 and "rollout/buffer/recycled" not in m
+        assert m["rollout/buffer/aborted_discarded"] >= 1 and "rollout/buffer/recycled" not in m
         assert ray.get(manager.state_dict.remote())["buffer"]["pending"] == []
+        first_groups = set(range(6))
         second = ray.get(manager.generate_batch.remote(), timeout=180)
-        assert sorted(_groups(second["samples"])) == [6, 7]  # fresh prompts: groups 3-5 are gone for good
+        # groups kept beyond the first batch's two may serve the second; aborted ones are gone for good
+        leftover = m["rollout/buffer/kept"] - 2
+        reused = [g for g in _groups(second["samples"]) if g in first_groups]
+        assert len(reused) <= leftover and all(g >= 6 for g in _groups(second["samples"]) if g not in reused)
         assert asyncio.run(_requests_in_flight(urls)) == [0, 0]
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
