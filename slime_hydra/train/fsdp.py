@@ -13,7 +13,7 @@ Critic (PPO): ``role="critic"`` loads the same checkpoint as a token-classificat
 value head), trains with ``train.critic_lr``, and its forward yields values in place of logprobs.
 
 Colocated with engines on GPUs, ``offload`` moves parameters and optimizer state to the host while the engines
-generate and ``onload`` brings them back (train/offload.py).
+generate and ``onload`` brings them back (train/offload.Offloadable).
 
 Reference policy: the initial weights' local shards are kept on the host; ``logprobs(..., policy="ref")`` copies
 them into the parameters, runs the forward, and copies the trained shards back (slime's swap; no second GPU copy).
@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from slime_hydra.train.batch import TrainBatch, loss_units, micro_batches, response_logprobs, response_values
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.offload import to_device, to_host
+from slime_hydra.train.offload import Offloadable
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.optim import build_optimizer
 
@@ -44,7 +44,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.T
 """loss_fn(logp [B,T], entropy [B,T] or None, micro_batch) -> (mean loss over the micro-batch's units, metrics)."""
 
 
-class FSDPBackend:
+class FSDPBackend(Offloadable):
     def __init__(self, model_path: str | Path, train: TrainConfig, total_steps: int, loss_agg: str = "token_mean",
                  keep_reference: bool = False, device: str | None = None, role: str = "actor"):
         if not dist.is_initialized():
@@ -75,7 +75,6 @@ class FSDPBackend:
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), train, total_steps, peak)
         self.step = 0
         self._ref_shards = host_copy(self._local_shards()) if keep_reference else None
-        self._offloaded = None
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _forward(self, mb: TrainBatch, temperature: float, with_entropy: bool):
@@ -163,21 +162,6 @@ class FSDPBackend:
                 net.tie_weights()
             net.save_pretrained(out_dir, safe_serialization=True)
         dist.barrier()
-
-    # ---- colocated memory -------------------------------------------------------------------------------------------
-    def offload(self) -> float:
-        """Colocated GPUs: parameters and optimizer state to the host while engines generate (train/offload.py).
-        Returns the GPU bytes this process still holds (0 work on CPU)."""
-        if self.device.type == "cuda" and self._offloaded is None:
-            self._offloaded = to_host(self.model, self.optimizer)
-        return float(torch.cuda.memory_allocated()) if self.device.type == "cuda" else 0.0
-
-    def onload(self) -> float:
-        """Back on the GPU before training; returns the GPU bytes held."""
-        if self._offloaded is not None:
-            to_device(self.model, self.optimizer, self._offloaded, self.device)
-            self._offloaded = None
-        return float(torch.cuda.memory_allocated()) if self.device.type == "cuda" else 0.0
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
     def save(self, ckpt_dir: str | Path) -> None:

@@ -3,6 +3,8 @@
     moved = to_host(model, optimizer)      # parameters, buffers, optimizer state -> host; returns what moved
     to_device(model, optimizer, moved, device)
 
+Backends get ``offload()`` / ``onload()`` from ``Offloadable`` (they need ``model``, ``optimizer``, ``device``).
+
 Parameters and buffers move with ``module.to`` (an FSDP2 module re-registers its sharded parameters there);
 optimizer state tensors that were on the GPU move one by one and come back to the same device, so the
 optimizer's parameter references stay valid (``module.to`` keeps the Parameter objects). Copies are
@@ -36,3 +38,27 @@ def to_device(model: torch.nn.Module, optimizer: torch.optim.Optimizer, moved: l
     for state, key in moved:
         state[key] = state[key].to(device, non_blocking=True)
     torch.cuda.synchronize()
+
+
+class Offloadable:
+    """``offload`` / ``onload`` for a backend with ``self.model``, ``self.optimizer`` and ``self.device``."""
+
+    _offloaded = None
+
+    def offload(self) -> float:
+        """Colocated GPUs: parameters and optimizer state to the host while engines generate. Returns the GPU
+        bytes this process still holds (0 on CPU, where nothing moves)."""
+        if self.device.type != "cuda":
+            return 0.0
+        if self._offloaded is None:
+            self._offloaded = to_host(self.model, self.optimizer)
+        return float(torch.cuda.memory_allocated())
+
+    def onload(self) -> float:
+        """Back on the GPU before training; returns the GPU bytes held."""
+        if self.device.type != "cuda":
+            return 0.0
+        if self._offloaded is not None:
+            to_device(self.model, self.optimizer, self._offloaded, self.device)
+            self._offloaded = None
+        return float(torch.cuda.memory_allocated())

@@ -66,7 +66,7 @@ from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from slime_hydra.train.offload import to_device, to_host
+from slime_hydra.train.offload import Offloadable
 from slime_hydra.train.optim import build_optimizer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -75,7 +75,7 @@ BUCKET_ELEMENTS = 64 * 1024 * 1024
 """Gradient elements per DP all-reduce (256 MiB of fp32)."""
 
 
-class MegatronBackend:
+class MegatronBackend(Offloadable):
     def __init__(self, model_path: str | Path, train: TrainConfig, total_steps: int, loss_agg: str = "token_mean",
                  keep_reference: bool = False, device: str | None = None, role: str = "actor"):
         from megatron.core import parallel_state
@@ -133,7 +133,6 @@ class MegatronBackend:
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), train, total_steps, peak)
         self.step = 0
         self._ref_shards = host_copy(self._local_shards()) if keep_reference else None
-        self._offloaded = None
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _stage(self, mb: TrainBatch, hidden: torch.Tensor | None) -> torch.Tensor:
@@ -362,19 +361,6 @@ class MegatronBackend:
         dist.barrier()
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
-    def offload(self) -> float:
-        """Colocated GPUs: parameters and optimizer state to the host while engines generate (train/offload.py).
-        Returns the GPU bytes this process still holds (0 on CPU)."""
-        if self.device.type == "cuda" and self._offloaded is None:
-            self._offloaded = to_host(self.model, self.optimizer)
-        return float(torch.cuda.memory_allocated()) if self.device.type == "cuda" else 0.0
-
-    def onload(self) -> float:
-        """Back on the GPU before training; returns the GPU bytes held."""
-        if self._offloaded is not None:
-            to_device(self.model, self.optimizer, self._offloaded, self.device)
-            self._offloaded = None
-        return float(torch.cuda.memory_allocated()) if self.device.type == "cuda" else 0.0
 
     def save(self, ckpt_dir: str | Path) -> None:
         """Resumable checkpoint: this (PP stage, TP rank) slot's parameters, optimizer and reference shards;
