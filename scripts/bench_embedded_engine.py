@@ -2,12 +2,16 @@
 
     OMP_NUM_THREADS=1 python scripts/bench_embedded_engine.py            # the tests' tiny Qwen2, CPU
     python scripts/bench_embedded_engine.py --batch 32 --new-tokens 64 --threads 2
+    python3 scripts/bench_embedded_engine.py --model qwen2_5_0_5b --device cuda --batch 256 --new-tokens 256 \
+        --reference none                                                 # the rollout issue's GPU target
 
 Builds a random-init Qwen2 checkpoint (default: the rollout tests' shape, 2 layers, hidden 64, vocab 64) in a temp
 dir, starts the engine as a subprocess (``--max-batch-size`` = batch), warms it up, then times REPEATS rounds of
 BATCH concurrent requests (sampling at temperature 1, ``ignore_eos`` so every request makes exactly NEW_TOKENS
-tokens) and prints generated tokens per second of wall time, as seen by the client. For scale it also times
-``model.generate`` on the same batch in this process (no HTTP, no scheduler).
+tokens) and prints generated tokens per second of wall time, as seen by the client. ``--model NAME`` takes the
+shape from conf/model/NAME.yaml instead (random init; on CUDA the engine runs in bf16, with CUDA graphs unless
+``--eager``). For scale it also times ``model.generate`` on the same batch in this process (no HTTP, no scheduler;
+``--reference none`` skips it).
 """
 
 import argparse
@@ -18,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import yaml
 
 from slime_hydra.model.config import ModelConfig
 from slime_hydra.model.hf import build_random_checkpoint
@@ -41,15 +47,24 @@ async def one_round(url: str, prompts: list[list[int]], new_tokens: int) -> floa
 
 
 @torch.no_grad()
-def hf_generate_seconds(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> float:
+def hf_generate_seconds(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = torch.tensor(prompts)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=new_tokens,
                    min_new_tokens=new_tokens, pad_token_id=0)
     return time.perf_counter() - start
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def model_shape(name: str) -> ModelConfig:
+    fields = yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text())
+    return ModelConfig(**{k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__ and k != "path"})
 
 
 def main() -> None:
@@ -61,20 +76,29 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--model", default=None, help="conf/model/<name>.yaml shape (overrides the three above)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--eager", action="store_true", help="CUDA: no CUDA graphs (--disable-cuda-graph)")
+    parser.add_argument("--reference", default="dynamic", choices=["dynamic", "none"],
+                        help="also time HF model.generate (dynamic cache) on the same batch")
     parser.add_argument("--threads", type=int, default=None, help="engine torch threads (default: the engine's)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench_engine_"))
-    shape = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, num_kv_heads=2,
-                        ffn_hidden_size=2 * args.hidden, vocab_size=args.vocab, max_position_embeddings=4096,
-                        tie_word_embeddings=False)
+    if args.model:
+        shape = model_shape(args.model)
+    else:
+        shape = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, num_kv_heads=2,
+                            ffn_hidden_size=2 * args.hidden, vocab_size=args.vocab, max_position_embeddings=4096,
+                            tie_word_embeddings=False)
     model_dir = build_random_checkpoint(shape, work / "model", seed=0)
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, args.vocab, (args.batch, args.prompt_tokens), generator=g).tolist()
+    prompts = torch.randint(0, shape.vocab_size, (args.batch, args.prompt_tokens), generator=g).tolist()
 
     extra = ["--num-threads", str(args.threads)] if args.threads else []
-    engine = start_embedded_engine(str(model_dir), device=args.device, max_batch_size=args.batch,
+    extra += ["--disable-cuda-graph"] if args.eager else []
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    engine = start_embedded_engine(str(model_dir), device=args.device, dtype=dtype, max_batch_size=args.batch,
                                    extra_args=extra, log_path=work / "engine.log")
     try:
         threads = asyncio.run(engine_threads(engine.url))
@@ -83,15 +107,16 @@ def main() -> None:
     finally:
         engine.stop()
     tokens = args.batch * args.new_tokens
-    torch.set_num_threads(threads)  # the same thread count as the engine: a like-for-like reference
-    hf = hf_generate_seconds(model_dir, prompts, args.new_tokens)
-    print(f"model: Qwen2 {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, {args.device}, "
-          f"engine torch threads {threads}")
+    print(f"model: Qwen2 {shape.num_layers} layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}, "
+          f"{args.device}{' eager' if args.eager else ''}, engine torch threads {threads}")
     print(f"embedded engine, {args.batch} concurrent requests x {args.new_tokens} new tokens "
           f"({args.prompt_tokens}-token prompts): rounds {', '.join(f'{t:.2f}s' for t in times)}")
     print(f"  -> {tokens / statistics.median(times):,.0f} tokens/s (median round), "
           f"{tokens / min(times):,.0f} tokens/s (best round)")
-    print(f"reference: HF model.generate, same batch in-process, same threads: {tokens / hf:,.0f} tokens/s")
+    if args.reference == "dynamic":
+        torch.set_num_threads(threads)  # the same thread count as the engine: a like-for-like reference
+        hf = hf_generate_seconds(model_dir, prompts, args.new_tokens, args.device)
+        print(f"reference: HF model.generate, same batch in-process, same threads: {tokens / hf:,.0f} tokens/s")
 
 
 if __name__ == "__main__":

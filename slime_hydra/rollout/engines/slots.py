@@ -1,0 +1,206 @@
+"""The embedded engine's KV cache: one slot per running request, written in place, plus CUDA graphs of the decode step.
+
+Layout
+------
+``SlotKV.kv`` is one tensor ``[layers, 2 (K, V), slots, kv_heads, capacity, head_dim]``. Running request b owns slot
+b (slots 0..n-1 are the running batch, in order); its token at position p lives in column p, so nothing is padded
+and nothing moves while it decodes. ``pos[b]`` is the number of its tokens already in the cache, which is also the
+position id of its next input ``ids[b]`` (the last sampled token, not yet in the cache).
+
+- **Prefill** of m requests into slots [s, s + m): inputs right-padded to the longest, position ids 0..len-1, plain
+  causal attention among the new tokens (SDPA's causal kernel, grouped-query heads native); the keys/values of
+  columns 0..P-1 are written into the slots. A row's padding columns hold junk that no query ever sees: decode masks
+  columns above ``pos`` and overwrites them as the request grows.
+- **Decode** of the first n slots: each row's new key/value goes to column ``pos[b]``; attention reads columns
+  0..capacity-1 of its slot under the mask ``column <= pos[b]``. The query heads of one KV group share the keys, so
+  they are folded into SDPA's query-length axis (q ``[n, kv_heads, group, d]``): no copy of K/V per query head.
+- **Finishing**: the rows that stay are compacted into slots 0..n'-1 by moving the last running rows into the holes
+  (``compact``), a copy of the moved rows only.
+- **Capacity** grows on demand to the next power of two (at least 128, at most the context length); growing copies
+  the cache once and drops the CUDA graphs, which hold its address.
+
+Memory is ``slots x capacity x layers x 2 x kv_heads x head_dim x dtype bytes`` (Qwen2.5-0.5B in bf16: 12 KiB a
+token, so 256 slots x 512 tokens = 1.5 GiB). It is made for the small models the embedded engine serves; large
+models belong on SGLang's paged cache (``rollout=sglang``).
+
+The attention runs in ``slot_attention``, registered with transformers' ``AttentionInterface`` under
+``ATTENTION_NAME`` (the model is loaded with ``attn_implementation=ATTENTION_NAME``); the cache reaches it as the
+``slot_kv`` keyword argument of the model call, which transformers passes down to every attention layer. Models with
+sliding-window layers, attention sinks or logit soft-capping are refused by it.
+
+CUDA graphs (``DecodeGraphs``): one graph of the whole decode forward (embedding to logits) per batch-size bucket
+(1, 2, 4, ... up to the slot count, which is always a bucket), captured on first use and replayed with the live rows'
+ids/positions in the static ``ids``/``pos`` buffers; the rows between n and the bucket are idle slots whose results
+are ignored. Graphs are dropped whenever a tensor they read moves: the cache grows or is freed, or the weights are
+released (a weight update copies into the same storage and keeps them).
+"""
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "slime_hydra_slots"
+MIN_CAPACITY = 128
+
+
+def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, scaling=None,
+                   dropout: float = 0.0, slot_kv: Optional["SlotKV"] = None, **kwargs):
+    """transformers attention function: query ``[b, heads, q, d]``, key/value ``[b, kv_heads, q, d]`` (after rotary);
+    returns ``([b, q, heads, d], None)``. Without ``slot_kv`` (a plain forward, e.g. ``/health_generate`` tests of
+    the model itself) it is causal attention over the given tokens."""
+    for name in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"the embedded engine's slot attention does not implement {name}; serve this "
+                                      "model with rollout=sglang")
+    if slot_kv is None or slot_kv.mode == "prefill":
+        if slot_kv is not None:
+            slot_kv.write_prefill(module.layer_idx, key, value)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2), None
+    keys, values = slot_kv.write_decode(module.layer_idx, key, value)
+    n, heads, _, d = query.shape
+    grouped = query.reshape(n, keys.shape[1], heads // keys.shape[1], d)  # query heads of one KV group together
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=slot_kv.mask, scale=scaling)
+    return out.reshape(n, 1, heads, d), None
+
+
+def register_attention() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, slot_attention)
+    return ATTENTION_NAME
+
+
+class SlotKV:
+    """The cache tensor, the per-slot next ids/positions, and the mode of the forward about to run."""
+
+    def __init__(self, config, slots: int, dtype: torch.dtype, device: torch.device, max_capacity: int):
+        text = config.get_text_config()
+        self.layers = int(text.num_hidden_layers)
+        self.kv_heads = int(text.num_key_value_heads)
+        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        self.slots, self.dtype, self.device, self.max_capacity = slots, dtype, device, max_capacity
+        self.kv: Optional[torch.Tensor] = None
+        self.ids = torch.zeros(slots, dtype=torch.long, device=device)
+        self.pos = torch.zeros(slots, dtype=torch.long, device=device)
+        self._rows = torch.arange(slots, device=device)
+        self._columns: Optional[torch.Tensor] = None
+        self.mode = "decode"
+        self.start = 0
+        """prefill: the first slot written."""
+        self.mask: Optional[torch.Tensor] = None
+        """decode: ``[n, 1, 1, capacity]``, True where a column holds one of the row's tokens."""
+        self.on_move: Callable[[], None] = lambda: None
+        """Called when the cache tensor is reallocated or freed (the engine drops its CUDA graphs)."""
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.kv is None else self.kv.shape[4]
+
+    @property
+    def token_bytes(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def reserve(self, length: int) -> None:
+        """Make room for ``length`` tokens in every slot (grows to a power of two, keeps what is cached)."""
+        if length <= self.capacity:
+            return
+        if length > self.max_capacity:
+            raise ValueError(f"{length} tokens exceed the context length {self.max_capacity}")
+        capacity = min(max(MIN_CAPACITY, 1 << (length - 1).bit_length()), self.max_capacity)
+        grown = torch.zeros(self.layers, 2, self.slots, self.kv_heads, capacity, self.head_dim, dtype=self.dtype,
+                            device=self.device)
+        if self.kv is not None:
+            grown[..., :self.capacity, :] = self.kv
+        self.kv = grown
+        self._columns = torch.arange(capacity, device=self.device)
+        self.on_move()
+
+    def free(self) -> None:
+        if self.kv is not None:
+            self.kv = None
+            self._columns = None
+            self.on_move()
+
+    def prefill(self, start: int) -> None:
+        self.mode, self.start = "prefill", start
+
+    def decode(self, n: int) -> None:
+        """Set up a decode of slots 0..n-1 (inside a CUDA graph capture the mask is computed by the graph)."""
+        self.mode = "decode"
+        self.mask = (self._columns[None, :] <= self.pos[:n, None])[:, None, None, :]
+
+    def write_prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        m, _, length, _ = key.shape
+        self.kv[layer, 0, self.start:self.start + m, :, :length] = key
+        self.kv[layer, 1, self.start:self.start + m, :, :length] = value
+
+    def write_decode(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key.shape[0]
+        rows, pos = self._rows[:n], self.pos[:n]
+        k_layer, v_layer = self.kv[layer, 0], self.kv[layer, 1]
+        k_layer[rows, :, pos] = key[:, :, 0]
+        v_layer[rows, :, pos] = value[:, :, 0]
+        return k_layer[:n], v_layer[:n]
+
+    def compact(self, keep: list[int]) -> list[tuple[int, int]]:
+        """Keep these running rows (ascending slot indices) in slots 0..len(keep)-1; return the (src, dst) moves."""
+        n_keep = len(keep)
+        kept = set(keep)
+        holes = [s for s in range(n_keep) if s not in kept]
+        movers = [s for s in keep if s >= n_keep]
+        moves = list(zip(movers, holes))
+        if moves:
+            src = torch.tensor(movers, device=self.device)
+            dst = torch.tensor(holes, device=self.device)
+            if self.kv is not None:
+                self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
+            self.ids.index_copy_(0, dst, self.ids.index_select(0, src))
+            self.pos.index_copy_(0, dst, self.pos.index_select(0, src))
+        return moves
+
+
+class DecodeGraphs:
+    """CUDA graphs of ``forward(n) -> logits [n, vocab]`` for batch-size buckets, captured on first use."""
+
+    def __init__(self, forward: Callable[[int], torch.Tensor], max_batch: int):
+        self.forward = forward
+        self.buckets = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.captures = 0
+        """How many graphs were captured in all (drops make this grow)."""
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def drop(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+
+    def run(self, n: int) -> torch.Tensor:
+        """Logits of the first n slots (the graph of n's bucket; captured now if it is new)."""
+        size = self.bucket(n)
+        if size not in self._graphs:
+            self._graphs[size] = self._capture(size)
+        graph, logits = self._graphs[size]
+        graph.replay()
+        return logits[:n]
+
+    def _capture(self, size: int):
+        # Warm up on a side stream (cuBLAS handles, lazy inits), as torch.cuda.graph's documentation asks. The
+        # warm-up writes the same keys/values the replay will write, so running it changes nothing.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.forward(size)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.forward(size)
+        self.captures += 1
+        return graph, logits

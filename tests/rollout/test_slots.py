@@ -1,0 +1,70 @@
+"""The embedded engine's slot KV cache (engines/slots.py), driven in-process: more requests than slots, prompts that
+make the cache grow, requests finishing at different steps (rows compacted), all against plain HF forwards."""
+
+import asyncio
+
+import pytest
+import torch
+
+from slime_hydra.rollout.engines.embedded import Engine
+from slime_hydra.rollout.engines.slots import MIN_CAPACITY, SlotKV, slot_attention
+
+from .helpers import build_model, load, reference_greedy, reference_logprobs
+
+# (prompt length, max_new_tokens): six requests through four slots; the 200-token prompt grows the cache past 128.
+CASES = [(3, 5), (7, 30), (12, 8), (5, 150), (9, 2), (200, 10)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("slots") / "m", seed=0)
+
+
+def test_queued_growing_and_compacted_rows_match_plain_forwards(model_dir):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n, _ in CASES]
+
+    async def run():
+        engine = Engine(str(model_dir), max_batch_size=4)
+        await engine.start()
+        try:
+            reqs = [engine.make_request(p, {"temperature": 0, "max_new_tokens": m, "ignore_eos": True}, None, True,
+                                        -1, 0, False) for p, (_, m) in zip(prompts, CASES)]
+            engine.submit(reqs)
+            return await asyncio.gather(*(r.future for r in reqs)), engine.kv.capacity, engine.peak_running
+        finally:
+            await engine.stop()
+
+    outs, capacity, peak = asyncio.run(run())
+    assert peak == 4 and capacity == 256  # 200 + 10 tokens: the next power of two
+    model = load(model_dir)
+    for prompt, (_, m), out in zip(prompts, CASES, outs):
+        assert out["output_ids"] == reference_greedy(model, prompt, m)
+        ref, _ = reference_logprobs(model, prompt, out["output_ids"])
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-5
+
+
+def test_compact_moves_the_last_rows_into_the_holes(model_dir):
+    kv = SlotKV(load(model_dir).config, slots=6, dtype=torch.float32, device=torch.device("cpu"), max_capacity=4096)
+    kv.reserve(10)
+    assert kv.capacity == MIN_CAPACITY and kv.kv.shape == (2, 2, 6, 2, MIN_CAPACITY, 16)
+    for slot in range(6):
+        kv.kv[:, :, slot] = slot
+        kv.pos[slot], kv.ids[slot] = 100 + slot, 200 + slot
+    moves = kv.compact([0, 2, 4, 5])  # rows 1 and 3 finished; rows 4 and 5 move into slots 1 and 3
+    assert moves == [(4, 1), (5, 3)]
+    assert [int(kv.kv[0, 0, s, 0, 0, 0]) for s in range(4)] == [0, 4, 2, 5]
+    assert kv.pos[:4].tolist() == [100, 104, 102, 105] and kv.ids[:4].tolist() == [200, 204, 202, 205]
+    with pytest.raises(ValueError, match="exceed the context length 4096"):
+        kv.reserve(5000)
+
+
+def test_unsupported_attention_variants_are_refused():
+    q = k = v = torch.zeros(1, 2, 3, 4)
+
+    class Layer:
+        layer_idx = 0
+
+    with pytest.raises(NotImplementedError, match="sliding_window.*rollout=sglang"):
+        slot_attention(Layer(), q, k, v, None, sliding_window=4)
