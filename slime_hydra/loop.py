@@ -94,7 +94,7 @@ class Session:
         if self.debug != "train_only":
             self.start_rollout()
         if self.trainer is not None and self.manager is not None:
-            method = choose_method(cfg.train.weight_sync, cfg.cluster.colocate)
+            method = choose_method(cfg.train.weight_sync, cfg.cluster.colocate, cfg.rollout.backend)
             self.trainer.connect_rollout(method, self.manager, cfg.train.weight_sync_bucket_mb, str(run_dir))
         self.step, self.next_rollout = 0, None
         self.gpu_holder = "both"  # colocated on GPUs: who holds the GPU memory now (see hand_gpus_to)
@@ -139,7 +139,7 @@ class Session:
     def start_rollout(self) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from slime_hydra.rollout.engines.actor import EngineActor
+        from slime_hydra.rollout.engines.actor import EngineActor, engine_gpu_ids
         from slime_hydra.rollout.manager import RolloutManager
 
         cfg, d = self.cfg, self.d
@@ -150,16 +150,16 @@ class Session:
             from slime_hydra.rollout.engines.sglang import launch_for
 
             sglang = launch_for(cfg, str(self.model_path))
+        tp = cfg.rollout.gpus_per_engine
+        gpu_ids = engine_gpu_ids(self.pg, first, d.num_engines, tp) if self.on_gpu else [None] * d.num_engines
         engines = []
         for i in range(d.num_engines):
-            bundle = first + i * cfg.rollout.gpus_per_engine
             gpus = (0.5 if cfg.cluster.colocate else 1.0) if self.on_gpu else 0.0
-            engines.append(ray.remote(EngineActor).options(
-                num_cpus=0, num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-            ).remote(i, str(self.model_path), str(self.run_dir / "logs"), dtype=dtype,
-                     max_batch_size=cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt,
-                     torch_threads=self.cpu_threads, sglang=sglang))
+            place = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=first + i * tp)
+            actor = ray.remote(EngineActor).options(num_cpus=0, num_gpus=gpus, scheduling_strategy=place)
+            engines.append(actor.remote(i, str(self.model_path), str(self.run_dir / "logs"), dtype=dtype,
+                                        max_batch_size=cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt,
+                                        torch_threads=self.cpu_threads, sglang=sglang, gpu_ids=gpu_ids[i]))
         self.manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
             cfg, str(self.model_path), str(self.run_dir), engines)
         self.engine_urls = ray.get(self.manager.start.remote())

@@ -37,10 +37,12 @@ from slime_hydra.rollout.engines.weights import (
 METHODS = ("distributed", "tensor", "disk")
 
 
-def choose_method(weight_sync: str, colocate: bool) -> str:
-    """train.weight_sync with ``auto`` resolved from the placement."""
+def choose_method(weight_sync: str, colocate: bool, engine: str = "embedded") -> str:
+    """train.weight_sync with ``auto`` resolved from the placement and the engine kind: colocated embedded engines
+    take CUDA IPC handles (``tensor``), colocated SGLang engines reload from disk (the handles are in the embedded
+    engine's format, not SGLang's pickled one), separate GPUs get an NCCL broadcast (``distributed``)."""
     if weight_sync == "auto":
-        return "tensor" if colocate else "distributed"
+        return ("tensor" if engine == "embedded" else "disk") if colocate else "distributed"
     if weight_sync not in METHODS:
         raise ValueError(f"train.weight_sync={weight_sync!r}; choose auto, {', '.join(METHODS)}")
     return weight_sync

@@ -190,6 +190,15 @@ def check_rollout(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"engine TP (rollout.gpus_per_engine={r.gpus_per_engine}) does not divide "
                       f"model.num_attention_heads={m.num_attention_heads}",
                       f"choose rollout.gpus_per_engine among {_divisors(m.num_attention_heads)}")
+    if r.backend == "embedded" and r.gpus_per_engine > 1:
+        yield Problem(("rollout.gpus_per_engine", "rollout.backend"),
+                      f"the embedded engine runs on one device, not rollout.gpus_per_engine={r.gpus_per_engine}",
+                      "set rollout.gpus_per_engine=1 (more engines: rollout.num_gpus), or rollout=sglang for TP engines")
+    if r.backend == "sglang" and cfg.train.weight_sync == "tensor":
+        yield Problem(("train.weight_sync", "rollout.backend"),
+                      "weight_sync=tensor sends CUDA IPC handles in the embedded engine's format, which SGLang "
+                      "servers do not read",
+                      "set train.weight_sync=disk (or auto) for colocated SGLang engines")
     if r.backend == "sglang" and cfg.cluster.gpus_per_node == 0:
         yield Problem(("rollout.backend", "cluster.gpus_per_node"),
                       "rollout=sglang needs GPUs but the cluster has cluster.gpus_per_node=0",

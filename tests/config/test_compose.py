@@ -97,7 +97,7 @@ def test_batch_derivation(overrides, expected):
 def test_nodes_are_derived_from_gpus():
     # 16 train + 8 rollout GPUs on 8-GPU nodes = 3 nodes; colocated 16 GPUs = 2 nodes.
     base = ("model=qwen3_8b", "model.path=/c", "cluster=slurm_8xh100", "train=megatron", "train.num_gpus=16",
-            "train.tp=4", "rollout.gpus_per_engine=2")
+            "train.tp=4", "rollout=sglang", "rollout.gpus_per_engine=2")
     _, d = load(*base, "rollout.num_gpus=8")
     assert (d.dp, d.total_gpus, d.nodes, d.num_engines) == (4, 24, 3, 4)
     _, d = load(*base, "cluster.colocate=true", "rollout.num_gpus=null")

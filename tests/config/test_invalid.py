@@ -42,6 +42,10 @@ INVALID = [
     ((*BIG, "rollout.num_gpus=3", "rollout.gpus_per_engine=2"), "rollout.gpus_per_engine", "multiple of 2"),
     ((*BIG, "rollout.num_gpus=3", "rollout.gpus_per_engine=3"), "rollout.gpus_per_engine", "does not divide"),
     (("rollout=sglang",), "cluster.gpus_per_node", "use rollout=embedded"),
+    ((*BIG, *GPU8, "rollout.num_gpus=2", "rollout.gpus_per_engine=2"), "rollout.gpus_per_engine",
+     "the embedded engine runs on one device"),
+    ((*BIG, *GPU8, "rollout=sglang", "cluster.colocate=true", "rollout.num_gpus=null", "train.weight_sync=tensor"),
+     "train.weight_sync", "set train.weight_sync=disk"),
     (("rollout.num_gpus=null",), "rollout.num_gpus", "cluster.colocate=true"),
     (("rollout.generate=mygenerate",), "rollout.generate", "dotted path"),
     # placement

@@ -70,7 +70,7 @@ def test_real_run_writes_provenance(tmp_path, monkeypatch):
 
 def test_slurm_dry_run_renders_sbatch_with_derived_nodes():
     out = launch("model=qwen3_8b", "model.path=/ckpt", "cluster=slurm_8xh100", "train=megatron", "train.num_gpus=16",
-                 "train.tp=4", "rollout.num_gpus=8", "rollout.gpus_per_engine=2", "dry_run=true")
+                 "train.tp=4", "rollout=sglang", "rollout.num_gpus=8", "rollout.gpus_per_engine=2", "dry_run=true")
     assert out.returncode == 0, out.stderr
     for line in ("#SBATCH --nodes=3", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                  "#SBATCH --account=rl-research", "#SBATCH --signal=USR1@300", "module load cuda/12.4"):

@@ -10,11 +10,13 @@ import asyncio
 import sys
 
 import pytest
+import ray
+from ray.util.placement_group import placement_group
 
 from slime_hydra.config import ConfigError, collect_problems, compose, to_config
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines import ServerProcess
-from slime_hydra.rollout.engines.actor import EngineActor
+from slime_hydra.rollout.engines.actor import EngineActor, engine_gpu_ids
 from slime_hydra.rollout.engines.sglang import SGLangLaunch, engine_commands, launch_for, main, render_options
 from tests.rollout.helpers import build_model
 
@@ -228,6 +230,22 @@ def test_sglang_actor_needs_its_gpus(tmp_path):
     assert str(info.value) == ("engine 2 holds GPUs [] from its Ray placement but SGLang runs --tp-size 2 "
                                "(rollout.gpus_per_engine): the engine actor must be given exactly "
                                "rollout.gpus_per_engine GPUs")
+
+
+def test_tp_engines_get_the_gpus_of_their_bundles(tmp_path):
+    """Ray with 4 logical GPUs (none physical): two TP=2 engines over four one-GPU bundles, as the loop places them."""
+    ray.init(num_cpus=1, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        pg = placement_group([{"GPU": 1}] * 4)
+        ray.get(pg.ready(), timeout=60)
+        ids = engine_gpu_ids(pg, first_bundle=0, num_engines=2, gpus_per_engine=2)
+        assert [len(e) for e in ids] == [2, 2] and sorted(g for e in ids for g in e) == ["0", "1", "2", "3"]
+        actor = EngineActor(1, "/ckpt/q", str(tmp_path), sglang=launch(tp_size=2), gpu_ids=ids[1])
+        argv = actor.command("127.0.0.1", ids[1])
+        assert argv[argv.index("--tp-size") + 1] == "2"
+        assert actor._env(ids[1])["CUDA_VISIBLE_DEVICES"] == ",".join(ids[1])
+    finally:
+        ray.shutdown()
 
 
 def test_sglang_command_through_server_process_reports_the_failure(tmp_path):

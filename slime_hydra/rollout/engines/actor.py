@@ -1,9 +1,11 @@
 """``EngineActor``: a Ray actor that owns one engine server process on the GPUs of its placement-group bundle.
 
-The actor holds the bundle's resources (so Ray's placement decides which GPUs an engine gets) and starts the
-server as a child process with ``CUDA_VISIBLE_DEVICES`` set to the GPU ids Ray assigned. The server itself runs
-outside Ray's accounting, as SGLang does under slime. On a CPU-only machine the bundle is ``{CPU: 1}`` and the
-engine runs on the CPU.
+The actor holds a share of its first bundle (so Ray's placement decides where an engine runs) and starts the
+server as a child process with ``CUDA_VISIBLE_DEVICES`` set to the engine's GPUs. The server itself runs outside
+Ray's accounting, as SGLang does under slime. An engine of ``rollout.gpus_per_engine`` > 1 GPUs (SGLang TP) spans
+that many consecutive one-GPU bundles: ``engine_gpu_ids`` asks each bundle which GPU Ray gave it (a tiny probe task
+per bundle, before the engines start) and refuses an engine whose bundles landed on different nodes. On a CPU-only
+machine the bundle is ``{CPU: 1}`` and the engine runs on the CPU.
 
     actor.start() -> url     actor.restart() -> url (same ports)     actor.alive() -> bool     actor.stop()
 
@@ -31,10 +33,13 @@ SGLANG_START_TIMEOUT_S = 1200.0
 
 class EngineActor:
     def __init__(self, index: int, model_path: str, log_dir: str, dtype: str = "auto", max_batch_size: int = 256,
-                 torch_threads: Optional[int] = None, sglang: Optional[SGLangLaunch] = None):
+                 torch_threads: Optional[int] = None, sglang: Optional[SGLangLaunch] = None,
+                 gpu_ids: Optional[list[str]] = None):
         """index: engine number (log name, SGLang seed offset); dtype, max_batch_size, torch_threads: embedded
-        engine only; sglang: start this SGLang server instead of the embedded engine."""
+        engine only; sglang: start this SGLang server instead of the embedded engine; gpu_ids: the engine's GPUs
+        (``engine_gpu_ids``; default: the ones Ray assigned to this actor)."""
         self.index, self.model_path, self.dtype = index, model_path, dtype
+        self.gpu_ids = gpu_ids
         self.max_batch_size, self.log_dir = max_batch_size, Path(log_dir)
         self.torch_threads = torch_threads
         self.sglang = sglang
@@ -66,7 +71,7 @@ class EngineActor:
     def start(self, timeout_s: Optional[float] = None) -> str:
         """Start the server and return its URL once /health_generate answers 200 (timeout_s: default
         EMBEDDED_START_TIMEOUT_S or SGLANG_START_TIMEOUT_S)."""
-        gpu_ids = _gpu_ids()
+        gpu_ids = self.gpu_ids if self.gpu_ids is not None else _gpu_ids()
         host = ray.util.get_node_ip_address() if ray.is_initialized() and not _local_only() else "127.0.0.1"
         argv = self.command(host, gpu_ids)
         self.process = ServerProcess(f"engine_{self.index}", argv, host, self.port,
@@ -101,6 +106,30 @@ class EngineActor:
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
+
+
+def engine_gpu_ids(pg, first_bundle: int, num_engines: int, gpus_per_engine: int) -> list[list[str]]:
+    """The GPU ids of each engine: engine i spans bundles ``first_bundle + i * gpus_per_engine`` onwards, one GPU
+    each. Raises if an engine's bundles are on different nodes (TP needs one node)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0, num_gpus=0.01)
+    def probe() -> tuple[str, list[str]]:
+        return ray.util.get_node_ip_address(), _gpu_ids()
+
+    count = num_engines * gpus_per_engine
+    where = ray.get([probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=first_bundle + b)).remote() for b in range(count)])
+    engines = []
+    for i in range(num_engines):
+        own = where[i * gpus_per_engine:(i + 1) * gpus_per_engine]
+        nodes = sorted({node for node, _ in own})
+        if len(nodes) > 1:
+            raise RuntimeError(f"engine {i}'s {gpus_per_engine} GPUs landed on nodes {nodes}; an engine's TP group "
+                               "must be on one node: make rollout.gpus_per_engine divide cluster.gpus_per_node and "
+                               "train.num_gpus a multiple of cluster.gpus_per_node")
+        engines.append([gpu for _, ids in own for gpu in ids])
+    return engines
 
 
 def _gpu_ids() -> list[str]:
