@@ -5,15 +5,19 @@ prompt once, every sample index once), the engine must be restarted on its addre
 different checkpoint pushed as version 1 before the rollout, so a restart that kept the initial weights shows in
 the greedy tokens), registered in the router again, and serve the next batch. A second test, with one engine,
 checks a failed request is retried once the engine is back, and that when the restart fails the error names the
-engine and why.
+engine and why. A third kills an engine between two broadcast syncs (weight_sync=distributed): the broadcast group is
+formed again with every engine.
 """
 
 import asyncio
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -21,9 +25,11 @@ import ray
 from slime_hydra.model.embedded import resolve_model_path
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines.embedded import read_checkpoint
+from slime_hydra.rollout.engines.weights import dtype_name
 from tests.rollout.helpers import manager_config, start_manager
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
 SHAPE = ("rollout.batch_prompts=8", "rollout.n_samples_per_prompt=4", "rollout.max_response_tokens=128",
          "rollout.health_check_interval_s=0.5")
 
@@ -152,5 +158,70 @@ def test_generate_retries_after_a_restart_then_fails_naming_the_engine(tmp_path)
         message = str(raised.value)
         assert "EngineFailure" in message and "rollout.max_generate_retries=1" in message
         assert f"engine 0 ({urls[0]}): its process (pid {pid}) exited; the restart failed" in message
+    finally:
+        ray.get(manager.shutdown.remote(), timeout=60)
+
+
+def _broadcast_sync(manager, model_dir: str, version: int, world_size: int) -> None:
+    """One sync as the trainer's WeightPusher runs it with weight_sync=distributed: a fresh broadcast group whose
+    rank 0 (a sender process standing in for trainer rank 0) sends every tensor of ``model_dir``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    weights = read_checkpoint(model_dir)
+    names = sorted(weights)
+    sender = subprocess.Popen(
+        [sys.executable, "-c", f"from tests.rollout.helpers import send_weights; "
+                               f"send_weights({port}, {model_dir!r}, world_size={world_size})"],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        ray.get(manager.begin_weight_update.remote(), timeout=60)
+        ray.get(manager.init_weight_sync.remote("127.0.0.1", port, "gloo"), timeout=120)
+        ray.get(manager.update_weights_from_distributed.remote(
+            names, [dtype_name(weights[n].dtype) for n in names], [list(weights[n].shape) for n in names], version),
+            timeout=120)
+        ray.get(manager.finish_weight_update.remote(version), timeout=60)
+        out, _ = sender.communicate("done\n", timeout=60)
+        assert sender.returncode == 0, out
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait()
+
+
+def test_broadcast_group_is_formed_again_after_a_restart(tmp_path):
+    """weight_sync=distributed cannot replay a broadcast into a restarted engine: it waits out of the router for the
+    next sync, the group is marked stale, the survivor leaves the old group, and the next sync's new group (all
+    engines again) brings both engines to the same new weights."""
+    cfg = manager_config(tmp_path, "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2",
+                         "rollout.health_check_interval_s=0.5")
+    manager, engines, urls = start_manager(cfg, tmp_path / "r")
+    try:
+        other = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 1))
+        initial = asyncio.run(_engine_info(urls))
+        _broadcast_sync(manager, other, 1, world_size=3)
+        synced = asyncio.run(_engine_info(urls))
+        assert synced[0]["greedy"] == synced[1]["greedy"] != initial[0]["greedy"]
+        assert not ray.get(manager.weight_group_stale.remote())
+
+        os.kill(ray.get(engines[1].pid.remote()), signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not ray.get(manager.weight_group_stale.remote()):  # restarted on the initial weights, out of service
+            assert time.monotonic() < deadline, ray.get(manager.engine_status.remote())
+            time.sleep(0.2)
+        status = ray.get(manager.engine_status.remote())
+        assert [(e["up"], e["in_router"]) for e in status] == [(True, True), (False, False)]
+        assert "waits for the next weight sync" in status[1]["cause"]
+
+        third = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 2))
+        _broadcast_sync(manager, third, 2, world_size=3)  # weights neither engine has had
+        status = ray.get(manager.engine_status.remote())
+        assert [(e["up"], e["in_router"]) for e in status] == [(True, True)] * 2
+        assert ray.get(manager.engine_weight_versions.remote()) == ["2", "2"]
+        assert not ray.get(manager.weight_group_stale.remote())
+        back = asyncio.run(_engine_info(urls))
+        assert back[0]["greedy"] == back[1]["greedy"] not in (initial[0]["greedy"], synced[0]["greedy"])
+        assert len(ray.get(manager.generate_batch.remote(), timeout=180)["samples"]) == 4
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
