@@ -5,11 +5,11 @@ A filter is any callable ``fn(samples_of_one_group) -> bool | (bool, reason)``: 
 ``algo.dynamic_filter`` names one: ``nonzero_std`` or a dotted path ``my_pkg.filters.fn``.
 """
 
-import importlib
 import statistics
 from typing import Callable, Optional, Sequence, Union
 
 from slime_hydra.buffer.sample import Sample
+from slime_hydra.dotted import import_callable
 
 FilterResult = Union[bool, tuple[bool, str]]
 GroupFilter = Callable[[Sequence[Sample]], FilterResult]
@@ -42,13 +42,9 @@ def get_filter(name: Optional[str], reward_key: Optional[str] = None) -> Optiona
         return None
     if name == "nonzero_std":
         return NonzeroStd(reward_key)
-    module_name, _, attr = name.rpartition(".")
-    if not module_name:
+    if "." not in name:
         raise ValueError(f"algo.dynamic_filter={name!r} is neither nonzero_std nor a dotted path")
-    fn = getattr(importlib.import_module(module_name), attr, None)
-    if not callable(fn):
-        raise ValueError(f"algo.dynamic_filter={name!r}: {module_name} has no callable {attr!r}")
-    return fn
+    return import_callable(name, "algo.dynamic_filter", "fn(group) -> bool | (bool, reason)")
 
 
 def filter_name(fn: GroupFilter) -> str:

@@ -24,7 +24,6 @@ The requeued job starts from the newest checkpoint in the same run directory.
 """
 
 import dataclasses
-import importlib
 import json
 import os
 import subprocess
@@ -37,13 +36,13 @@ from rich.console import Console
 
 from slime_hydra.config.derive import Derived
 from slime_hydra.config.schema import SlimeConfig
+from slime_hydra.dotted import import_callable
 from slime_hydra.launch import preempt
 from slime_hydra.launch.slurm import sbatch_parameters
 
 def resolve_body(path: str) -> Callable[[SlimeConfig, Path], Any]:
     """'package.module.function' (or 'package.module:function') -> the function."""
-    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    return import_callable(path, "the job body", "fn(cfg, run_dir)")
 
 
 class SlurmRun(submitit.helpers.Checkpointable):

@@ -1,9 +1,9 @@
 """Reward functions by name: ``get_reward_fn(reward.name, reward.target)``, ``@group_reward``, ``scalar_reward``."""
 
 import difflib
-import importlib
 from typing import Any, Callable, Optional
 
+from slime_hydra.dotted import import_callable
 from slime_hydra.reward.dapo import dapo_reward
 from slime_hydra.reward.exact_match import exact_match_reward
 from slime_hydra.reward.f1 import f1_reward
@@ -51,16 +51,7 @@ def get_reward_fn(name: str, target: Optional[str] = None, **remote_options) -> 
 def _import_target(target: Optional[str]) -> RewardFn:
     if not target:
         raise ValueError("reward.name=custom needs reward.target=<module.function>")
-    module_name, _, attr = target.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"reward.target={target!r} cannot be imported ({type(error).__name__}: {error}); give a "
-                         "dotted path module.function importable where the rollout runs") from error
-    if not callable(fn):
-        raise ValueError(f"reward.target={target!r} is a {type(fn).__name__}, not a callable "
-                         "fn(response, label, metadata)")
-    return fn
+    return import_callable(target, "reward.target", "fn(response, label, metadata)")
 
 
 def scalar_reward(reward: Any, reward_key: Optional[str] = None) -> float:

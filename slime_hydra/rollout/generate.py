@@ -18,11 +18,11 @@ budget is spent), ``abort`` -> aborted (the buffer recycles or drops it). A resu
 ``weight_version`` (that of its first token); ``max_new_tokens`` is what is left of the budget.
 """
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Union
 
 from slime_hydra.buffer.sample import Sample, Status
+from slime_hydra.dotted import import_callable
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.config import RolloutConfig
 
@@ -95,12 +95,4 @@ def get_generate_fn(path: str | None) -> GenerateFn:
     """rollout.generate: None for the default, else the async function at the dotted path."""
     if path is None:
         return default_generate
-    module_name, _, attr = path.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"rollout.generate={path!r} cannot be imported ({error}); give a dotted path to an "
-                         "async def generate(ctx, sample, sampling_params)") from error
-    if not callable(fn):
-        raise ValueError(f"rollout.generate={path!r} is not callable")
-    return fn
+    return import_callable(path, "rollout.generate", "async def generate(ctx, sample, sampling_params)")

@@ -38,7 +38,7 @@ def test_get_filter_by_name_and_dotted_path():
     assert get_filter("operator.truth") is __import__("operator").truth
     with pytest.raises(ValueError, match="neither nonzero_std nor a dotted path"):
         get_filter("std")
-    with pytest.raises(ValueError, match="operator has no callable 'nope'"):
+    with pytest.raises(ValueError, match="algo.dynamic_filter='operator.nope' cannot be imported"):
         get_filter("operator.nope")
 
 
