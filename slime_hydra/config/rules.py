@@ -5,6 +5,7 @@
 arithmetic rules run only on a config whose counts are sane (they divide by them).
 """
 
+import re
 from operator import attrgetter
 from typing import Callable, Iterator
 
@@ -85,6 +86,10 @@ def check_choices(cfg: SlimeConfig) -> Iterator[Problem]:
             hint = nearest(str(value), allowed)
             fix = f"did you mean {key}={hint}?" if hint else f"choose one of: {', '.join(allowed)}"
             yield Problem((key,), f"'{value}' is not one of {', '.join(allowed)}", fix)
+    if cfg.run_name is not None and (not re.fullmatch(r"[\w.+=,@-]+", cfg.run_name) or set(cfg.run_name) == {"."}):
+        yield Problem(("run_name",),
+                      f"{cfg.run_name!r} is not a plain directory name (letters, digits and . _ - + = , @)",
+                      "e.g. run_name=qwen3-grpo-lr1e-6 (the run directory is output_dir/run_name)")
     if cfg.resume not in ("auto", "never") and not cfg.resume.strip():
         yield Problem(("resume",), "is empty", "set resume=auto, resume=never or resume=<checkpoint dir>")
 
