@@ -137,13 +137,8 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     if t.backend == "fsdp" and t.model_parallel_size > 1:
         yield Problem(("train.backend", "train.tp", "train.pp", "train.cp"),
                       f"train=fsdp is data parallel only, but tp={t.tp} pp={t.pp} cp={t.cp}",
-                      "use train=megatron for model parallelism, or set train.tp=1 train.pp=1 train.cp=1")
-    if t.cp > 1:
-        yield Problem(("train.cp",),
-                      f"train.cp={t.cp}: context parallelism is not implemented. megatron-core runs it only inside "
-                      "TransformerEngine's attention (its local DotProductAttention asserts cp=1), and train=megatron's "
-                      "SDPA core attention and sequence handling do not split sequences across ranks",
-                      "set train.cp=1; for long sequences lower train.max_tokens_per_gpu or raise train.tp / train.pp")
+                      "use train=megatron for tensor, pipeline or context parallelism, or set train.tp=1 "
+                      "train.pp=1 train.cp=1")
     if m.num_attention_heads % t.tp:
         yield Problem(("train.tp", "model.num_attention_heads"),
                       f"model.num_attention_heads={m.num_attention_heads} is not divisible by train.tp={t.tp}",

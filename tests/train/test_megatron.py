@@ -1,12 +1,13 @@
 """train=megatron on CPU with gloo: HF <-> Megatron conversion for every family (logits equal at TP1 and TP2,
 weights round-trip), vocab-parallel logprobs, TP2 == DP2 == PP2 == TP2xPP2 == TP1 == FSDP on the same batch, logprob
 alignment and the reference policy, the embedded engine's rollout logprobs, resume exactness (in process, and
-across killed processes at PP2), HF export, the PPO critic (values equal FSDP's, a step lowers the value loss).
+across killed processes at PP2), HF export, the PPO critic (values equal FSDP's, a step lowers the value loss),
+context parallelism (CP2, TP2xCP2, CP2xPP2 == CP1: logprobs, entropy, loss, grad norm, weights after a step, critic).
 
 Spawned processes cost ~10 s each on the 2-core machine, so a few module-scoped runs compute everything and the
 tests assert on their results. Functions run on spawned ranks are module-level (pickled by name).
 On a GPU machine, ``python3 -m pytest -m gpu tests/train/test_megatron.py`` checks the CUDA path against HF (fp32
-logprobs; a bf16 step's loss and grad norm) and, with 2 GPUs, TP2 against DP2 over nccl.
+logprobs; a bf16 step's loss and grad norm) and, with 2 GPUs, TP2, PP2 and CP2 against DP2 over nccl.
 """
 
 from dataclasses import replace
@@ -251,6 +252,62 @@ def _tp2_pp2(rank, world, path):
     return (backend.tp_rank, backend.pp_rank), hot, _three_steps(backend, batch)[:1]
 
 
+CP_CFG = dict(CFG, adam_eps=1e-3)
+"""CFG with a large Adam epsilon where parameters after a step are compared. Adam's first step is
+lr * g / (|g| + eps): at eps 1e-8 a gradient of 1e-9 (next to ones of 1e-2) moves its parameter by ~lr / 10, so the
+fp32 rounding of a different summation order (CP sums over ranks) changes updates by up to ~2e-4 at lr 1e-2; at
+eps 1e-3 the step is Lipschitz in g (lr / eps), and the parameters compare as tightly as the gradients."""
+
+
+def pg_entropy_loss(logp, entropy, mb):
+    """pg_loss with an entropy bonus (0.1 x token-mean entropy): gradients flow through the entropy too."""
+    loss, metrics = pg_loss(logp, entropy, mb)
+    m = mb.loss_mask
+    return loss - 0.1 * (entropy * m).sum() / m.sum().clamp(min=1), metrics
+
+
+def _context_parallel(rank, world, path, cp, tp=1, pp=1, critic=True, ckpt=None):
+    """cp x tp x pp ranks (all 1: the reference) on toy_batch: logprobs and entropy at temperature 0.7 (one
+    micro-batch, 10 tokens: padded to 12 at cp=2), one step with an entropy bonus over micro-batches of 9, 10 and 8
+    tokens (full weights after it), the critic's values and one value step. ``ckpt``: save after the step, take a
+    second one, then load the checkpoint at cp=1 (dp=2 on the same ranks) and take the second step again."""
+    from megatron.core import parallel_state
+
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    batch, out = toy_batch(), {}
+    train = TrainConfig(**CP_CFG, cp=cp, tp=tp, pp=pp, micro_batch_samples=3)
+    policy = MegatronBackend(path, train, total_steps=2)
+    out["ranks"] = policy.pp_rank, policy.cp_rank, policy.tp_rank, policy.dp_size
+    out["hot"] = policy.logprobs(batch, temperature=0.7, with_entropy=True)
+    metrics = policy.train_step(batch, pg_entropy_loss, with_entropy=True)
+    out["step"] = float(metrics["pg_loss"]), metrics["grad_norm"]
+    out["weights"] = {name: t.clone() for name, t in policy.iter_full_weights()}
+    if critic:
+        critic = MegatronBackend(path, replace(train, critic_lr=1e-3), total_steps=1, role="critic")  # fresh head
+        values = critic.values(batch)
+        fixed = critic_batch(values)
+        metrics = critic.train_step(fixed, CRITIC)
+        out["critic"] = values, (float(metrics["value_loss"]), metrics["grad_norm"]), critic.values(fixed)
+    if ckpt is not None:
+        policy.save(ckpt)
+        second = policy.train_step(batch, pg_loss)
+        parallel_state.destroy_model_parallel()
+        dp2 = MegatronBackend(path, replace(train, cp=1), total_steps=2)
+        dp2.load(ckpt)
+        resumed = dp2.train_step(batch.select(list(range(dp2.dp_rank, 8, dp2.dp_size))), pg_loss)
+        out["resume"] = [(float(m["pg_loss"]), m["grad_norm"]) for m in (second, resumed)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def context_parallel(checkpoints, tmp_path_factory):
+    """(the cp=1 reference on one rank, the CP2 run on two ranks with its checkpoint resumed at DP2)."""
+    path = checkpoints[TRAIN_FAMILY]
+    reference = run_ranks(1, _context_parallel, path, 1)[0]
+    return reference, run_ranks(2, _context_parallel, path, 2, 1, 1, True, tmp_path_factory.mktemp("cp") / "ckpt")
+
+
 @pytest.fixture(scope="module")
 def critic_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("critic")
@@ -432,18 +489,23 @@ def test_export_hf_and_full_weights_match_the_trained_model(two_ranks, checkpoin
 
 def test_unsupported_settings_are_refused_with_the_fix(one_rank):
     cp, ep, recompute, passthrough = one_rank["refused"]
-    assert "train.cp=2" in cp and "train.ep=2" in ep
+    assert "not a multiple of train.tp=1 x train.cp=2" in cp  # one rank cannot hold two CP ranks
+    assert "train.ep=2" in ep
     assert "gradient_checkpointing=false" in recompute
     assert "recompute_granularty" in passthrough
 
 
-def test_context_parallelism_fails_config_validation_naming_the_key():
-    from tests.config.helpers import problems
+def test_context_parallelism_validates_for_megatron_and_is_refused_for_fsdp():
+    from tests.config.helpers import load, problems
 
-    error = problems("model=qwen3_8b", "model.path=/ckpt/qwen3_8b", "train=megatron", "train.num_gpus=2",
-                     "train.cp=2", "train.micro_batch_samples=1")
+    big = ("model=qwen3_8b", "model.path=/ckpt/qwen3_8b", "cluster.gpus_per_node=8", "train.micro_batch_samples=1")
+    _, derived = load(*big, "train=megatron", "train.num_gpus=6", "train.cp=3")
+    assert derived.dp == 2  # world = tp x cp x pp x dp
+    _, derived = load(*big, "train=megatron", "train.num_gpus=4", "train.tp=2", "train.cp=2")
+    assert derived.dp == 1
+    error = problems(*big, "train.num_gpus=2", "train.cp=2")
     (problem,) = [p for p in error.problems if "train.cp" in p.keys]
-    assert "TransformerEngine" in problem.message and problem.fix.startswith("set train.cp=1")
+    assert "train=fsdp is data parallel only" in problem.message and "context parallelism" in problem.fix
 
 
 # ---- the correctness gate: trainer == engine ----------------------------------------------------------------
@@ -504,6 +566,83 @@ def test_tp2_pp2_on_four_ranks_equals_tp1(one_rank, checkpoints):
         assert _close(steps, one_rank["tp1_micro3"][:1], 1e-5), steps
 
 
+# ---- context parallelism ------------------------------------------------------------------------------------
+def test_cp_split_is_megatrons_load_balanced_layout_padded_to_2cp():
+    from slime_hydra.train.megatron.context_parallel import local_positions, padded_length, split_sequence
+
+    assert [padded_length(n, 2) for n in (8, 9, 10, 12)] == [8, 12, 12, 12]
+    assert padded_length(7, 3) == 12  # 2 * cp = 6 chunks
+    assert local_positions(12, 0, 2).tolist() == [0, 1, 2, 9, 10, 11]  # chunks 0 and 3
+    assert local_positions(12, 1, 2).tolist() == [3, 4, 5, 6, 7, 8]  # chunks 1 and 2
+    held = torch.cat([local_positions(12, r, 3) for r in range(3)])
+    assert sorted(held.tolist()) == list(range(12))
+    x = torch.arange(24).view(2, 12)
+    assert torch.equal(split_sequence(x, 1, 1, 3), x[:, [2, 3, 8, 9]])
+    # the test batch's micro-batches: 9 and 10 tokens are padded (to 12), 8 is not
+    assert [toy_batch().select(g).input_ids.shape[1] for g in ([0, 1, 2], [3, 4, 5], [6, 7])] == [9, 10, 8]
+
+
+def _assert_cp_equals_reference(got, reference):
+    """logprobs and entropy within 1e-5; loss and grad norm within 1e-5 relative; weights after the step within
+    1e-6 (CP_CFG)."""
+    for want, have in zip(reference["hot"], got["hot"]):
+        torch.testing.assert_close(have, want, atol=1e-5, rtol=0)
+    assert _close([got["step"]], [reference["step"]], 1e-5), (got["step"], reference["step"])
+    assert set(got["weights"]) == set(reference["weights"])
+    for name, tensor in got["weights"].items():
+        torch.testing.assert_close(tensor, reference["weights"][name], atol=1e-6, rtol=0)
+
+
+def test_cp2_logprobs_loss_grad_norm_and_step_equal_cp1(context_parallel, checkpoints):
+    reference, cp2 = context_parallel
+    assert [r["ranks"] for r in cp2] == [(0, 0, 0, 1), (0, 1, 0, 1)]  # CP peers: one DP rank, the same rows
+    for got in cp2:
+        _assert_cp_equals_reference(got, reference)
+    assert cp2[0]["step"] == cp2[1]["step"]  # both CP ranks report the same loss and grad norm
+    initial = AutoModelForCausalLM.from_pretrained(checkpoints[TRAIN_FAMILY], dtype=torch.float32).state_dict()
+    moved = max(float((initial[n] - w).abs().max()) for n, w in cp2[0]["weights"].items())
+    assert moved > 1e-3  # the step changed the weights, so equal weights mean equal steps
+
+
+def test_cp2_critic_values_and_step_equal_cp1(context_parallel):
+    reference, cp2 = context_parallel
+    values, step, after = reference["critic"]
+    assert values.abs().max() > 1e-3
+    for got in cp2:
+        got_values, got_step, got_after = got["critic"]
+        torch.testing.assert_close(got_values, values, atol=1e-5, rtol=0)
+        assert _close([got_step], [step], 1e-5), (got_step, step)
+        torch.testing.assert_close(got_after, after, atol=1e-5, rtol=0)
+
+
+def test_cp2_checkpoint_is_per_pp_stage_and_tp_rank_and_resumes_at_dp2(context_parallel):
+    _, cp2 = context_parallel
+    for got in cp2:
+        second, resumed = got["resume"]
+        assert _close([resumed], [second], 1e-5), (resumed, second)
+
+
+@pytest.mark.slow
+def test_tp2_cp2_on_four_ranks_equals_cp1(context_parallel, checkpoints):
+    reference, _ = context_parallel
+    results = run_ranks(4, _context_parallel, checkpoints[TRAIN_FAMILY], 2, 2, 1, False)
+    # megatron's order: TP fastest, then CP (global rank = tp_rank + 2 * cp_rank)
+    assert [r["ranks"] for r in results] == [(0, 0, 0, 1), (0, 0, 1, 1), (0, 1, 0, 1), (0, 1, 1, 1)]
+    for got in results:
+        _assert_cp_equals_reference(got, reference)
+
+
+@pytest.mark.slow
+def test_cp2_pp2_on_four_ranks_equals_cp1(context_parallel, checkpoints):
+    """Activations of this rank's chunks go between the stages; the last stage gathers logprobs over CP."""
+    reference, _ = context_parallel
+    results = run_ranks(4, _context_parallel, checkpoints[TRAIN_FAMILY], 2, 1, 2, False)
+    # CP before PP (global rank = cp_rank + 2 * pp_rank)
+    assert [r["ranks"] for r in results] == [(0, 0, 0, 1), (0, 1, 0, 1), (1, 0, 0, 1), (1, 1, 0, 1)]
+    for got in results:
+        _assert_cp_equals_reference(got, reference)
+
+
 # ---- the PPO critic -----------------------------------------------------------------------------------------
 def test_critic_values_equal_fsdp_critic_and_a_step_lowers_the_value_loss(one_rank, pipeline):
     values, before, after, lr = one_rank["critic"]
@@ -562,18 +701,19 @@ def test_gpu_logprobs_and_bf16_step_match_hf(checkpoints, family):
     assert impl in ("local", "transformer_engine")
 
 
-def _gpu_tp(rank, world, path, tp, pp=1):
+def _gpu_tp(rank, world, path, tp, pp=1, cp=1):
     from slime_hydra.train.megatron.backend import MegatronBackend
 
-    backend = MegatronBackend(path, TrainConfig(**CFG, tp=tp, pp=pp, micro_batch_samples=2), total_steps=3)
+    backend = MegatronBackend(path, TrainConfig(**CFG, tp=tp, pp=pp, cp=cp, micro_batch_samples=2), total_steps=3)
     return _three_steps(backend, toy_batch().select(list(range(backend.dp_rank, 8, backend.dp_size))))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_tp2_and_pp2_equal_dp2(checkpoints):
+def test_gpu_tp2_pp2_and_cp2_equal_dp2(checkpoints):
+    """cp2 on CUDA also takes megatron's own RoPE slicing (get_pos_emb_on_this_cp_rank) and nccl's reduce-scatter."""
     dp2 = run_ranks(2, _gpu_tp, checkpoints[TRAIN_FAMILY], 1)[0]
-    for name, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
-        got = run_ranks(2, _gpu_tp, checkpoints[TRAIN_FAMILY], tp, pp)[0]
+    for name, tp, pp, cp in (("tp2", 2, 1, 1), ("pp2", 1, 2, 1), ("cp2", 1, 1, 2)):
+        got = run_ranks(2, _gpu_tp, checkpoints[TRAIN_FAMILY], tp, pp, cp)[0]
         assert _close(got[:1], dp2[:1], 1e-4), (name, got, dp2)
         assert _close(got, dp2, 1e-3), (name, got, dp2)

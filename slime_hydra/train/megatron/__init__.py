@@ -1,5 +1,5 @@
-"""train=megatron: megatron-core GPTModel built from an HF checkpoint's architecture, trained with tensor, pipeline
-and data parallelism on torch.distributed (nccl on GPU, gloo on CPU); the policy and PPO's critic.
+"""train=megatron: megatron-core GPTModel built from an HF checkpoint's architecture, trained with tensor, context,
+pipeline and data parallelism on torch.distributed (nccl on GPU, gloo on CPU); the policy and PPO's critic.
 
     model.py    Arch (the architecture facts of an HF config.json) -> TransformerConfig -> GPTModel
     spec.py     the transformer layer spec: torch SDPA core attention (no TransformerEngine or apex needed),
@@ -7,5 +7,6 @@ and data parallelism on torch.distributed (nccl on GPU, gloo on CPU); the policy
     convert.py  HF <-> Megatron weights, incl. TP sharding (QKV per query group, gate/up halves, vocab rows) and
                 PP stages (global layer numbers; export broadcasts over the PP group)
     vocab_parallel.py  logprobs and entropy over a vocabulary split across TP ranks (no logits gather)
+    context_parallel.py  megatron's load-balanced sequence split over CP ranks, the K/V and output gathers
     backend.py  MegatronBackend: the backend protocol of train/fsdp.py on this model, incl. the 1F1B pipeline
 """

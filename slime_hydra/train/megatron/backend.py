@@ -1,10 +1,17 @@
-"""train=megatron: megatron-core GPTModel with tensor (TP) and pipeline (PP) parallelism inside a model replica and
-data parallelism (DP) across replicas; the backend protocol of train/fsdp.py, with the same semantics, for the
-policy (role="actor") and PPO's critic (role="critic").
+"""train=megatron: megatron-core GPTModel with tensor (TP), context (CP) and pipeline (PP) parallelism inside a model
+replica and data parallelism (DP) across replicas; the backend protocol of train/fsdp.py, with the same semantics,
+for the policy (role="actor") and PPO's critic (role="critic").
 
-Ranks: world = tp x pp x dp, megatron's order: TP fastest, then DP, PP slowest (stage s holds ranks
-[s * tp * dp, (s + 1) * tp * dp)). TP and PP peers see the same rows (TrainGroup deals rows by ``dp_rank``/``dp_size``)
-and report the same loss, logprobs and grad norm.
+Ranks: world = tp x cp x pp x dp in megatron's order ("tp-cp-ep-dp-pp"): TP fastest, then CP, then DP, PP slowest
+(stage s holds ranks [s * tp * cp * dp, (s + 1) * tp * cp * dp)). TP, CP and PP peers see the same rows (TrainGroup
+deals rows by ``dp_rank``/``dp_size``) and report the same loss, logprobs and grad norm.
+
+Context parallelism (cp > 1; context_parallel.py): each micro-batch's sequences are right-padded to a multiple of
+2 * cp and CP rank r runs chunks r and 2 * cp - 1 - r of them (megatron's load-balanced layout; RoPE rotates by the
+global positions through megatron's own slicing). Attention all-gathers K and V over CP (not ring attention: every
+rank holds the whole sequence's K/V, one layer at a time). The last stage gathers the per-position logprobs, entropy
+or values over CP, so every CP rank computes the same loss on the full [B, T]; a token budget
+(``train.max_tokens_per_gpu``) counts per GPU, so micro-batches pack cp times as many tokens.
 
 Pipeline (pp > 1): each stage runs its layers on every micro-batch; activations [s, b, H] (fp32: with fp32
 parameters the residual stream is fp32 even under bf16 autocast) go to the next stage and their gradients come
@@ -17,18 +24,21 @@ its output into the loss (training) or logprobs/values, which it broadcasts over
 
 Loss scaling (as FSDP, over DP ranks): the loss callable's micro-batch mean is scaled by
 units(micro) / units(global batch, summed over DP ranks) * dp_size; gradients are summed over micro-batches and
-averaged over the DP group, so the step equals one on the global-batch mean whatever the micro-batch split.
+averaged over the DP group, so the step equals one on the global-batch mean whatever the micro-batch split. CP
+ranks compute the same loss, but each one's backward covers only its own chunks' share of the gradient.
 
 Gradients: megatron's DistributedDataParallel and DistributedOptimizer need CUDA and megatron's own training loop
 state; this backend reduces gradients itself, identically on CPU (gloo) and GPU (nccl): after the last
 micro-batch, the q/k-norm gradients (shared across heads, each TP rank sees only its heads) are summed over TP, a
 tied embedding's two copies (first stage's embedding, last stage's output layer, when pp > 1) are summed over
-megatron's embedding group, then every gradient is averaged over DP in flat buckets. The optimizer is optim.py's
+megatron's embedding group, then every gradient is summed over CP and averaged over DP in flat buckets (one
+all-reduce over megatron's data-parallel-with-CP group, divided by dp). The optimizer is optim.py's
 AdamW over this rank's parameter shards (fp32 masters; bf16 compute under autocast on GPU) -- no ZeRO sharding of
 optimizer states.
 
 Grad norm: sum of squares of the TP-split parameters all-reduced over TP, plus the replicated ones (norms) once,
-summed over the PP stages (the tied embedding's copy counted once); clipping as torch.nn.utils.clip_grad_norm_
+summed over the PP stages (the tied embedding's copy counted once; CP peers hold the same reduced gradients and
+each counts them once, without a CP reduction); clipping as torch.nn.utils.clip_grad_norm_
 (coefficient max_norm / (norm + 1e-6), capped at 1).
 
 Logprobs: the output layer stays vocab-parallel; vocab_parallel.py turns this rank's logit slice into logprobs and
@@ -40,13 +50,13 @@ Critic (role="critic"): the same trunk with ``spec.ValueHead`` as the output lay
 
 Reference policy: this rank's initial parameter shards on the host, swapped in for ``policy="ref"``.
 
-Checkpoints: per (PP stage, TP rank), model and optimizer shards (written by DP rank 0 of each slot), scheduler
-and step, and every rank's RNG state; resume needs the same world size, tp and pp. To change the layout,
-export_hf and start a new run from the export (optimizer state is not carried).
+Checkpoints: per (PP stage, TP rank), model and optimizer shards (written by the slot's rank with DP and CP rank
+0: CP and DP peers hold identical shards), scheduler and step, and every rank's RNG state; resume needs the same
+world size, tp and pp (cp and dp may be traded). To change tp or pp, export_hf and start a new run from the export
+(optimizer state is not carried).
 
-Not supported (refused at construction and by config validation, config/rules.py): context parallelism (cp > 1:
-megatron-core's CP lives in TransformerEngine's attention; the SDPA core attention and this backend do not split
-sequences), expert parallelism (ep > 1: the families converted here are dense).
+Not supported: expert parallelism (ep > 1: the families converted here are dense; refused at construction, and by
+config validation for dense models, config/rules.py); ring attention or packed (THD) sequences under CP.
 """
 
 import json
@@ -62,6 +72,7 @@ from slime_hydra.train.batch import TrainBatch, predicting_positions, loss_units
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.fsdp import rng_state, set_rng_state
+from slime_hydra.train.megatron.context_parallel import gather_sequence, local_positions, padded_length, split_sequence
 from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_hf_weights, stage_parameters, stage_table
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
@@ -84,24 +95,28 @@ class MegatronBackend(Offloadable):
             raise RuntimeError("MegatronBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         if role not in ("actor", "critic"):
             raise ValueError(f"role must be actor or critic, got {role!r}")
-        unsupported = [f"train.{k}={getattr(train, k)}" for k in ("cp", "ep") if getattr(train, k) != 1]
-        if unsupported:
-            raise ValueError(f"train=megatron supports tensor, pipeline and data parallelism; set "
-                             f"{', '.join(unsupported)} to 1 (context and expert parallelism are not implemented)")
+        if train.ep != 1:
+            raise ValueError(f"train=megatron supports tensor, context, pipeline and data parallelism; set "
+                             f"train.ep={train.ep} to 1 (expert parallelism is not implemented: the families "
+                             "converted here are dense)")
         if train.gradient_checkpointing and not torch.cuda.is_available():
             raise ValueError("megatron's activation recompute saves CUDA RNG states: on CPU set "
                              "train.gradient_checkpointing=false")
         world = dist.get_world_size()
-        if world % (train.tp * train.pp):
-            raise ValueError(f"{world} ranks are not a multiple of train.tp={train.tp} x train.pp={train.pp}")
+        if world % (train.tp * train.cp * train.pp):
+            raise ValueError(f"{world} ranks are not a multiple of train.tp={train.tp} x train.cp={train.cp} x "
+                             f"train.pp={train.pp}")
         self.train_cfg, self.loss_agg, self.role = train, loss_agg, role
         self.head = "value" if role == "critic" else "lm"
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        init_parallel(train.tp, train.pp)
+        init_parallel(train.tp, train.pp, train.cp)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.cp_group = parallel_state.get_context_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.tp_rank, self.tp_size = dist.get_rank(self.tp_group), train.tp
+        self.cp_rank, self.cp_size = dist.get_rank(self.cp_group), train.cp
         self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
         self.pp_rank, self.pp_size = dist.get_rank(self.pp_group), train.pp
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
@@ -114,8 +129,8 @@ class MegatronBackend(Offloadable):
         if train.gradient_checkpointing:
             overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
                          **overrides}
-        config = transformer_config(self.arch, tp=train.tp, pp=train.pp, device=self.device.type, use_te=use_te,
-                                    overrides=overrides)
+        config = transformer_config(self.arch, tp=train.tp, pp=train.pp, cp=train.cp, device=self.device.type,
+                                    use_te=use_te, overrides=overrides)
         self.model = build_model(self.arch, config, use_te, self.device, head=self.head)
         load_hf_weights(self.model, model_path, self.arch, head=self.head)
         self.params = stage_parameters(self.model)
@@ -135,19 +150,42 @@ class MegatronBackend(Offloadable):
         self._ref_shards = host_copy(self._local_shards()) if keep_reference else None
 
     # ---- forward ----------------------------------------------------------------------------------------------
+    def _padded_ids(self, mb: TrainBatch) -> torch.Tensor:
+        """[B, L'] input ids, right-padded to a multiple of 2 * cp (L' = L at cp=1): the CP split's unit."""
+        ids = mb.input_ids
+        if self.cp_size == 1:
+            return ids
+        return torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], self.cp_size) - ids.shape[1]))
+
+    def _local_length(self, mb: TrainBatch) -> int:
+        """Positions of a micro-batch this rank runs: its share of the (padded) sequence."""
+        return self._padded_ids(mb).shape[1] // self.cp_size
+
+    def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+        """Row groups. A token budget counts whole sequences, which the cp ranks share: cp x the budget per GPU."""
+        budget = self.train_cfg.max_tokens_per_gpu
+        return micro_batches(batch, self.train_cfg.micro_batch_samples,
+                             None if budget is None else budget * self.cp_size)
+
     def _stage(self, mb: TrainBatch, hidden: torch.Tensor | None) -> torch.Tensor:
         """This stage's layers on a micro-batch: hidden states [L, B, H] out of every stage but the last, whose
-        output is [B, L, V / tp] logits (actor) or [B, L, 1] values (critic). ``hidden``: the previous stage's."""
-        ids = mb.input_ids
+        output is [B, L, V / tp] logits (actor) or [B, L, 1] values (critic). ``hidden``: the previous stage's.
+        With cp > 1, L is this rank's chunks of the padded sequence (context_parallel.py); right padding + causal
+        attention: real tokens never see the padding."""
+        ids = self._padded_ids(mb)
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        if self.cp_size > 1:  # RoPE takes the global positions from megatron's own CP slicing (spec.py)
+            ids, positions = (split_sequence(t, 1, self.cp_rank, self.cp_size) for t in (ids, positions))
         if not self.first_stage:
             self.model.set_input_tensor(hidden)
-        with self.autocast:  # right padding + causal attention: real tokens never see the padding
+        with self.autocast:
             return self.model(ids, positions, None)
 
     def _head(self, out: torch.Tensor, mb: TrainBatch, temperature: float, with_entropy: bool):
         """Last stage: (logp, entropy) [B, T] of the response tokens, identical on every TP rank; the critic's
         (values, None)."""
+        if self.cp_size > 1:
+            return self._head_context_parallel(out, mb, temperature, with_entropy)
         if self.head == "value":
             return response_values(out, mb), None
         length = mb.input_ids.shape[1]
@@ -159,6 +197,27 @@ class MegatronBackend(Offloadable):
         targets = torch.gather(mb.input_ids, 1, (pos + 1).clamp(max=length - 1))
         logp, entropy = vocab_parallel_logprobs(picked, targets, self.vocab_start, self.tp_group, with_entropy)
         return logp * valid, (entropy * valid if with_entropy else None)
+
+    def _head_context_parallel(self, out: torch.Tensor, mb: TrainBatch, temperature: float, with_entropy: bool):
+        """_head from this CP rank's chunks ([B, L / cp, .]): the per-position logprobs (and entropy) of every local
+        token's successor, or its values, gathered over CP into sequence order (every CP rank holds all of them and
+        computes the same loss; the gather's backward keeps this rank's chunks), then the response positions."""
+        ids = self._padded_ids(mb)
+        length = ids.shape[1]
+        if self.head == "value":
+            values = gather_sequence(out.float(), self.cp_group, dim=1, reduce_grad=False)
+            return response_values(values, mb), None
+        local = local_positions(length, self.cp_rank, self.cp_size, ids.device)
+        targets = ids[:, (local + 1).clamp(max=length - 1)]
+        logits = out.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp, entropy = vocab_parallel_logprobs(logits, targets, self.vocab_start, self.tp_group, with_entropy)
+        per_position = torch.stack([logp, entropy] if with_entropy else [logp], dim=-1)
+        full = gather_sequence(per_position, self.cp_group, dim=1, reduce_grad=False)  # [B, L', 1 or 2]
+        pos, valid = predicting_positions(mb, length)
+        picked = torch.gather(full, 1, pos.unsqueeze(-1).expand(-1, -1, full.shape[-1])) * valid.unsqueeze(-1)
+        return picked[..., 0], (picked[..., 1] if with_entropy else None)
 
     def _pipeline(self, mbs: list[TrainBatch], on_output: Callable, backward: bool) -> None:
         """Every micro-batch through every stage in 1F1B order (module docstring); the last stage calls
@@ -172,7 +231,7 @@ class MegatronBackend(Offloadable):
         def forward(k: int) -> None:
             mb, hidden = mbs[k], None
             if not self.first_stage:
-                hidden = torch.empty(mb.input_ids.shape[1], mb.size, hidden_size, device=self.device,
+                hidden = torch.empty(self._local_length(mb), mb.size, hidden_size, device=self.device,
                                      requires_grad=backward)
                 dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
             out = self._stage(mb, hidden)
@@ -230,7 +289,7 @@ class MegatronBackend(Offloadable):
         with_entropy = with_entropy and self.head == "lm"
         logp = torch.zeros(batch.loss_mask.shape)
         ent = torch.zeros(batch.loss_mask.shape) if with_entropy else None
-        groups = micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu)
+        groups = self._micro_batches(batch)
 
         def collect(k, mb, out):
             lp, en = self._head(out, mb, temperature, with_entropy)
@@ -255,7 +314,7 @@ class MegatronBackend(Offloadable):
         """One optimizer step on this rank's share of the global batch; returns averaged metrics + grad_norm, lr."""
         self.model.train()
         with_entropy = with_entropy and self.head == "lm"
-        groups = micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu)
+        groups = self._micro_batches(batch)
         total_units = loss_units(batch.loss_mask, self.loss_agg).to(self.device, torch.float64)
         dist.all_reduce(total_units, group=self.dp_group)
         sums: dict[str, float] = {}
@@ -299,14 +358,14 @@ class MegatronBackend(Offloadable):
                 dist.all_reduce(self.params[name].grad, group=self.tp_group)
         if self._shared is not None:  # d loss / d embedding = the input side's part + the output side's part
             dist.all_reduce(self._shared.grad, group=parallel_state.get_embedding_group())
-        if self.dp_size > 1:
+        if self.dp_size * self.cp_size > 1:  # summed over CP (each rank's share of the tokens), averaged over DP
             bucket, elements = [], 0
             for k, p in enumerate(params):
                 bucket.append(p.grad)
                 elements += p.grad.numel()
                 if elements >= BUCKET_ELEMENTS or k == len(params) - 1:
                     flat = torch.cat([g.reshape(-1) for g in bucket])
-                    dist.all_reduce(flat, group=self.dp_group)
+                    dist.all_reduce(flat, group=self.dp_cp_group)
                     flat /= self.dp_size
                     for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
                         g.copy_(part.view_as(g))
@@ -346,7 +405,7 @@ class MegatronBackend(Offloadable):
     def export_hf(self, out_dir: str | Path) -> None:
         """Write an HF checkpoint (config + safetensors) of the current weights; rank 0 writes. Collective. The
         critic exports as *ForTokenClassification with one label."""
-        if self.dp_rank == 0:  # the first replica gathers; the others hold the same weights
+        if self.dp_rank == 0 and self.cp_rank == 0:  # one replica gathers; the others hold the same weights
             state = {name: tensor.cpu() for name, tensor in self.iter_full_weights()}
             if dist.get_rank() == 0:
                 if self.head == "value":
@@ -370,7 +429,7 @@ class MegatronBackend(Offloadable):
         ckpt_dir = Path(ckpt_dir)
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         rank = dist.get_rank()
-        if self.dp_rank == 0:
+        if self.dp_rank == 0 and self.cp_rank == 0:  # CP and DP peers hold the same shards
             torch.save({"model": host_copy(self._local_shards()), "optim": self.optimizer.state_dict(),
                         "ref": self._ref_shards}, ckpt_dir / self._slot_file)
         torch.save({"rng": rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()},
@@ -378,7 +437,7 @@ class MegatronBackend(Offloadable):
         if rank == 0:
             (ckpt_dir / "trainer.json").write_text(json.dumps(
                 {"step": self.step, "scheduler": self.scheduler.state_dict(), "world": dist.get_world_size(),
-                 "tp": self.tp_size, "pp": self.pp_size}))
+                 "tp": self.tp_size, "pp": self.pp_size, "cp": self.cp_size}))
         dist.barrier()
 
     def load(self, ckpt_dir: str | Path) -> None:
@@ -386,7 +445,7 @@ class MegatronBackend(Offloadable):
 
         ckpt_dir = Path(ckpt_dir)
         meta = json.loads((ckpt_dir / "trainer.json").read_text())
-        saved = (meta["world"], meta["tp"], meta.get("pp", 1))
+        saved = (meta["world"], meta["tp"], meta.get("pp", 1))  # cp may differ: CP and DP peers hold the same shards
         if saved != (dist.get_world_size(), self.tp_size, self.pp_size):
             raise ValueError(f"checkpoint {ckpt_dir} was saved by {saved[0]} ranks at tp={saved[1]} pp={saved[2]}; "
                              f"this run has {dist.get_world_size()} ranks at tp={self.tp_size} pp={self.pp_size}")

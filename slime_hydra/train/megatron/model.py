@@ -137,15 +137,18 @@ def transformer_engine_available() -> bool:
 
 
 def init_parallel(tp: int, pp: int = 1, cp: int = 1, ep: int = 1, seed: int = 0) -> None:
-    """Megatron's process groups over the already-initialised default group (ranks: tp fastest, then dp), and its
-    RNG tracker. On CPU the tracker is the inference one (no CUDA RNG states; valid because dropout is 0)."""
+    """Megatron's process groups over the already-initialised default group (its rank order "tp-cp-ep-dp-pp": TP
+    fastest, then CP, DP, PP slowest), and its RNG tracker. On CPU the tracker is the inference one (no CUDA RNG
+    states; valid because dropout is 0)."""
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise RuntimeError(f"megatron parallel state already initialised with tp, pp = {have}, asked {(tp, pp)}")
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_context_parallel_world_size())
+        if have != (tp, pp, cp):
+            raise RuntimeError(f"megatron parallel state already initialised with tp, pp, cp = {have}, asked "
+                               f"{(tp, pp, cp)}")
         return
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              context_parallel_size=cp, expert_model_parallel_size=ep,
@@ -213,5 +216,5 @@ def build_model(arch: Arch, config, use_te: bool = False, device: str | torch.de
     if head == "value" and post_process:
         model.output_layer = ValueHead(arch.hidden_size)
     model.to(device)  # linears are allocated on the GPU already; torch's norms are built on the host
-    model.rotary_pos_emb = HFRotaryEmbedding(arch.inv_freq.to(device), arch.rotary_interleaved)
+    model.rotary_pos_emb = HFRotaryEmbedding(arch.inv_freq.to(device), arch.rotary_interleaved, cp_group=groups.cp)
     return model

@@ -5,7 +5,8 @@ Which spec:
   Not exercised here (no machine we test on has TE); convert.py maps TE's fused-norm parameter names.
 - otherwise megatron's local spec with ``SDPACoreAttention`` in place of DotProductAttention (whose score buffer
   and default causal mask are allocated on CUDA, and which materialises the [b, np, s, s] scores: on a GPU the
-  SDPA spec trained ~1.7x faster, see shared/notes/ENVIRONMENT.md).
+  SDPA spec trained ~1.7x faster, see shared/notes/ENVIRONMENT.md). With cp > 1 it gathers K/V over the CP group
+  (context_parallel.py: megatron's local attention asserts cp=1, its CP lives in TransformerEngine's).
 - GLM-4 adds norms on the attention and MLP outputs before each residual add. The layer applies
   ``bda(training, fused)(sublayer_out_with_bias, residual, dropout_p)`` exactly there, so a bias-dropout-add
   module that norms first (``PostNormBiasDropoutAdd``) expresses them in the spec, for the local and TE specs
@@ -15,7 +16,7 @@ Which spec:
 from contextlib import nullcontext
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -24,6 +25,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from slime_hydra.train.megatron.context_parallel import gather_sequence, split_sequence
 
 
 class SDPACoreAttention(MegatronModule):
@@ -37,8 +40,12 @@ class SDPACoreAttention(MegatronModule):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None):
         super().__init__(config=config)
+        self.cp_group = None
         if config.context_parallel_size > 1:
-            raise ValueError("SDPACoreAttention has no context parallelism (train.cp=1, or TransformerEngine)")
+            self.cp_group = (pg_collection.cp if pg_collection is not None
+                             else parallel_state.get_context_parallel_group())
+            if attn_mask_type != AttnMaskType.causal:
+                raise ValueError(f"context parallelism needs causal attention, not {attn_mask_type}")
         self.attn_mask_type = attn_mask_type
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
@@ -47,22 +54,49 @@ class SDPACoreAttention(MegatronModule):
                 packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPACoreAttention takes padded [s, b] batches without attention bias")
+        s, b = query.shape[0], query.shape[1]
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value, attention_mask).permute(2, 0, 1, 3).reshape(s, b, -1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         mask = None
         if attention_mask is not None:
             mask = ~attention_mask.bool()
             if causal:
-                sq, sk = q.shape[2], k.shape[2]
-                mask = mask & torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+                mask = mask & _causal(q.shape[2], k.shape[2], q.device)
             causal = False
+        return self._attend(q, k, v, mask, causal).permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _attend(self, q, k, v, mask, causal):
         dropout = self.dropout if self.training else 0.0
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else nullcontext():
-            out = torch.nn.functional.scaled_dot_product_attention(
+            return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=self.scale,
                 enable_gqa=q.shape[1] != k.shape[1])
-        s, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _context_parallel(self, query, key, value, attention_mask):
+        """All-gather-KV context parallelism (context_parallel.py): this rank's queries (its chunks r and
+        2cp-1-r of the sequence) against the whole sequence's keys, one SDPA call per chunk over the keys up to it
+        (so the balanced split also balances the work). Returns [b, heads, s_local, d]."""
+        if attention_mask is not None:
+            raise ValueError("context parallelism takes right-padded causal batches without an attention mask")
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        kv = gather_sequence(torch.cat((key, value), dim=-1), self.cp_group)  # one collective: [S, b, groups, 2d]
+        k, v = (t.permute(1, 2, 0, 3) for t in kv.split([key.shape[-1], value.shape[-1]], dim=-1))  # [b, g, S, d]
+        q = query.permute(1, 2, 0, 3)
+        c = q.shape[2] // 2
+        outs = []
+        for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+            keys = (chunk + 1) * c  # global positions [chunk * c, (chunk + 1) * c) see keys [0, (chunk + 1) * c)
+            mask = None if chunk == 0 else _causal(c, keys, q.device)
+            outs.append(self._attend(q[:, :, half * c:(half + 1) * c], k[:, :, :keys], v[:, :, :keys], mask,
+                                     causal=chunk == 0))
+        return torch.cat(outs, dim=2)
+
+
+def _causal(sq: int, sk: int, device) -> torch.Tensor:
+    """[sq, sk] boolean mask, True = attend: the last sq of sk positions attending causally (bottom-right)."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)
 
 
 class HFRotaryEmbedding(RotaryEmbedding):
@@ -70,12 +104,23 @@ class HFRotaryEmbedding(RotaryEmbedding):
 
     The stock module rebuilds inv_freq from (base, rotary_percent, llama3 scaling with fixed constants) and moves it
     to CUDA on every call; this one takes the exact HF frequencies (any rope_type without attention scaling) and
-    stays where it was built. A frequency vector shorter than head_dim / 2 gives partial RoPE (GLM-4)."""
+    stays where it was built. A frequency vector shorter than head_dim / 2 gives partial RoPE (GLM-4).
 
-    def __init__(self, inv_freq: torch.Tensor, rotary_interleaved: bool):
+    Context parallelism is megatron's own: GPTModel asks for the embedding of the global length (local length x cp,
+    ``get_rotary_seq_len``) and ``forward`` keeps this CP rank's chunks r and 2cp-1-r (``get_pos_emb_on_this_cp_rank``,
+    the layout of context_parallel.py), so each token rotates by its global position. That function pins host
+    memory and copies its index to CUDA; on the host the same selection is ``split_sequence``."""
+
+    def __init__(self, inv_freq: torch.Tensor, rotary_interleaved: bool, cp_group=None):
         super().__init__(kv_channels=2 * inv_freq.numel(), rotary_percent=1.0, rotary_interleaved=rotary_interleaved,
-                         use_cpu_initialization=True)
+                         use_cpu_initialization=True, cp_group=cp_group)
         self.inv_freq = inv_freq
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+        cp_group = self.cp_group if cp_group is None else cp_group
+        if self.inv_freq.is_cuda or packed_seq or cp_group is None or cp_group.size() == 1:
+            return super().forward(max_seq_len, offset, packed_seq, cp_group)
+        return split_sequence(self.get_emb(max_seq_len, offset), 0, cp_group.rank(), cp_group.size())
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [s, rotary_dim / 2]
