@@ -74,8 +74,11 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=None, help="samples per forward (default: all of a rank's)")
     parser.add_argument("--tp", type=int, default=None, help="megatron tensor-parallel size (default: world size)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="fsdp: train.compile (auto: on with CUDA); the warmup steps pay the compile")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the measured steps, profile one more step and print the N costliest ops (rank 0)")
+    parser.add_argument("--trace", default=None, help="with --profile: write the profiled step's Chrome trace here")
     args = parser.parse_args()
 
     rank, world = init_process_group()
@@ -90,7 +93,8 @@ def main() -> None:
     dp = world // tp
     rows = args.samples // dp
     train = TrainConfig(backend=args.backend, num_gpus=world, tp=tp, micro_batch_samples=args.micro_batch or rows,
-                        lr=1e-6, dtype="bf16" if cuda else "fp32", gradient_checkpointing=args.gradient_checkpointing)
+                        lr=1e-6, dtype="bf16" if cuda else "fp32", gradient_checkpointing=args.gradient_checkpointing,
+                        compile={"auto": None, "on": True, "off": False}[args.compile])
     total = args.warmup + args.steps
     if args.backend == "megatron":
         from slime_hydra.train.megatron.backend import MegatronBackend as Backend
@@ -124,12 +128,26 @@ def main() -> None:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
+            start = time.perf_counter()
             backend.train_step(mine, pg_loss)
             if cuda:
                 torch.cuda.synchronize()
+            wall = time.perf_counter() - start
         if rank == 0:
             key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-            print(prof.key_averages().table(sort_by=key, row_limit=args.profile, max_name_column_width=60))
+            events = prof.key_averages()
+            print(events.table(sort_by=key, row_limit=args.profile, max_name_column_width=60))
+            if cuda:  # GPU busy far below the wall time = host-bound
+                spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                               if e.device_type == torch.autograd.DeviceType.CUDA)
+                busy, end = 0.0, float("-inf")
+                for lo, hi in spans:  # the union of kernel intervals (streams may overlap)
+                    busy += max(hi - max(lo, end), 0)
+                    end = max(end, hi)
+                print(f"profiled step: {wall * 1e3:.1f} ms wall (with the profiler), GPU busy {busy / 1e3:.1f} ms, "
+                      f"{len(spans)} kernels and copies")
+            if args.trace:
+                prof.export_chrome_trace(args.trace)
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                         device="cuda" if cuda else "cpu")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -137,12 +155,16 @@ def main() -> None:
         step_s = statistics.mean(times)
         step_tokens = args.samples * args.seq_tokens
         device = torch.cuda.get_device_name() if cuda else "cpu"
+        compiled = getattr(backend, "compiled", False)
         print(f"backend={args.backend} model={args.model} device={device} world={world} tp={tp} dp={dp} "
-              f"micro_batch={train.micro_batch_samples} tokens/step={step_tokens} dtype={train.dtype}")
-        print(f"step {step_s * 1000:.1f} ms (min {min(times) * 1000:.1f}, over {len(times)} steps after "
+              f"micro_batch={train.micro_batch_samples} tokens/step={step_tokens} dtype={train.dtype} "
+              f"compile={compiled} torch={torch.__version__}")
+        print(f"step {step_s * 1000:.1f} ms (median {statistics.median(times) * 1000:.1f}, min {min(times) * 1000:.1f}, "
+              f"over {len(times)} steps after "
               f"{args.warmup} warmup) | {step_tokens / step_s:,.0f} tokens/s "
               f"({step_tokens / step_s / world:,.0f} per GPU) | peak memory {peak.item():.2f} GiB | "
               f"last pg_loss {float(metrics['pg_loss']):.4f} grad_norm {metrics['grad_norm']:.3f}")
+        print("steps (ms):", " ".join(f"{t * 1000:.1f}" for t in times))
     dist.destroy_process_group()
 
 

@@ -103,25 +103,36 @@ def micro_batches(batch: TrainBatch, micro_batch_samples: int, max_tokens: int |
 
 
 def response_logprobs(logits: torch.Tensor, batch: TrainBatch, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, first_position: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs (and entropy) of the response tokens, [B, T], 0 where loss_mask-padding.
 
-    logp[i, j] = log softmax(logits[i, P_i + j - 1] / temperature)[input_ids[i, P_i + j]]
-    entropy[i, j] = -sum_v p_v log p_v of the same distribution.
-    Only the T response positions are gathered before the softmax, so memory is B x T x V, not B x L x V.
+    logp[i, j] = z[i, p, y] - logsumexp_v z[i, p, v],  z = logits / temperature, p = P_i + j - 1, y = input_ids[i, p + 1]
+    entropy[i, j] = logsumexp_v z[i, p, v] - sum_v softmax(z[i, p])_v z[i, p, v]  (= -sum_v p_v log p_v)
+    logits[:, k] are the outputs at position first_position + k (a forward with logits_to_keep drops the leading
+    prompt positions; first_position <= min_i P_i - 1). The per-position terms are [B, K] reductions over V that are
+    gathered afterwards, so no B x T x V tensor is gathered, and the backward is a dense softmax, not a scatter.
     """
-    b, t = batch.loss_mask.shape
-    pos, valid = predicting_positions(batch, logits.shape[1])
-    picked = torch.gather(logits, 1, pos.unsqueeze(-1).expand(b, t, logits.shape[-1])).float()
+    k = logits.shape[1]
+    pos, valid = predicting_positions(batch, first_position + k)
+    ids = batch.input_ids[:, first_position + 1 : first_position + 1 + k]
+    following = torch.nn.functional.pad(ids, (0, k - ids.shape[1]))  # the token each kept position predicts
+    z = logits.float()
     if temperature != 1.0:
-        picked = picked / temperature
-    logp_all = torch.log_softmax(picked, dim=-1)
-    targets = torch.gather(batch.input_ids, 1, (pos + 1).clamp(max=batch.input_ids.shape[1] - 1))
-    logp = torch.gather(logp_all, -1, targets.unsqueeze(-1)).squeeze(-1) * valid
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    per_position = torch.gather(z, -1, following.unsqueeze(-1)).squeeze(-1) - lse
+    col = pos - first_position
+    logp = torch.gather(per_position, 1, col) * valid
     entropy = None
     if with_entropy:
-        entropy = -(logp_all.exp() * logp_all).sum(-1) * valid
+        expected_z = (torch.softmax(z, dim=-1) * z).sum(-1)
+        entropy = torch.gather(lse - expected_z, 1, col) * valid
     return logp, entropy
+
+
+def first_predicting_position(batch: TrainBatch) -> int:
+    """The first position whose output predicts a response token (min_i P_i - 1): logits before it are unused."""
+    return max(int(batch.response_start.min()) - 1, 0)
 
 
 def response_values(values: torch.Tensor, batch: TrainBatch) -> torch.Tensor:

@@ -55,6 +55,9 @@ class TrainConfig:
     """Compute dtype of training: bf16 | fp32 (CPU runs use fp32)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    compile: Optional[bool] = None
+    """train=fsdp: torch.compile each decoder layer's forward and the logprob head (fewer, fused kernels; the first
+    steps pay the compile). null: on when training on CUDA, off on CPU (inductor's C++ compile is slow there)."""
     ref_on_cpu: bool = True
     """Keep the reference policy's weights on the host and swap them in for ref logprobs (no second GPU copy)."""
     weight_sync: str = "auto"

@@ -2,7 +2,14 @@
 
 Every rank runs the same calls (they are collective). The process group is initialised by the caller (the Ray
 rank actor, or a test harness): gloo on CPU, nccl on GPU. Parameters are fp32 masters; on GPU with dtype=bf16 the
-forward/backward run in bf16 (MixedPrecisionPolicy) with fp32 gradient reduction.
+forward/backward run in bf16 with fp32 gradient reduction: over several ranks FSDP2's MixedPrecisionPolicy; on
+one rank (nothing to shard) the model is not wrapped and ``ComputeCopy`` does the same with one multi-tensor copy
+each way, because FSDP's per-layer hooks cost as much host time as the layers themselves (docs/benchmarks.md).
+
+Speed (a 0.5B model's step is host-bound: its kernels are short, their launches are not): with ``train.compile``
+each decoder layer's forward and the logprob head are torch.compiled (fused norm / rotary / SwiGLU kernels); the
+layer is compiled before fully_shard wraps it, so FSDP's hooks stay eager around the compiled graphs. The LM head
+runs only from the first position that predicts a response token (``logits_to_keep``).
 
 Loss scaling (exact gradient accumulation and DP): the loss callable returns the mean loss of a micro-batch over
 its units (tokens for token_mean, sequences otherwise); the backend scales it by
@@ -22,7 +29,7 @@ them into the parameters, runs the forward, and copies the trained shards back (
 import json
 import os
 import random
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -34,7 +41,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from slime_hydra.train.batch import TrainBatch, loss_units, micro_batches, response_logprobs, response_values
+from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss_units, micro_batches,
+                                     response_logprobs, response_values)
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.offload import Offloadable
 from slime_hydra.train.reference import host_copy, swapped_in
@@ -44,9 +52,63 @@ LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.T
 """loss_fn(logp [B,T], entropy [B,T] or None, micro_batch) -> (mean loss over the micro-batch's units, metrics)."""
 
 
+def compute_dtype(train: TrainConfig, device: torch.device) -> torch.dtype:
+    """The forward/backward dtype: bf16 on CUDA with train.dtype=bf16, else fp32 (CPU runs use fp32)."""
+    return torch.bfloat16 if (train.dtype == "bf16" and device.type == "cuda") else torch.float32
+
+
+class ComputeCopy:
+    """Mixed precision on one rank without FSDP: the model's parameters stay the fp32 masters (the optimizer,
+    checkpoints, weight sync and the reference swap only see those); inside ``swapped_in`` the modules hold
+    low-precision copies refreshed from the masters by one multi-tensor copy, and ``accumulate_grads`` adds each
+    backward's low-precision gradients into the masters' fp32 ``.grad`` (FSDP's reduce_dtype=fp32 accumulation)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        self.dtype = dtype
+        self.masters = list(model.parameters())
+        index = {id(p): i for i, p in enumerate(self.masters)}
+        self.slots = [(module, name, index[id(p)]) for module in model.modules()  # tied weights: two slots
+                      for name, p in module._parameters.items() if p is not None]
+        self.copies: list[torch.nn.Parameter] | None = None  # allocated on first use, freed by offload
+
+    @contextmanager
+    def swapped_in(self):
+        if self.copies is None:
+            self.copies = [torch.nn.Parameter(torch.empty_like(p, dtype=self.dtype), requires_grad=p.requires_grad)
+                           for p in self.masters]
+        with torch.no_grad():
+            torch._foreach_copy_(self.copies, self.masters)
+        self._place(self.copies)
+        try:
+            yield
+        finally:
+            self._place(self.masters)
+
+    def _place(self, params: list[torch.nn.Parameter]) -> None:
+        for module, name, i in self.slots:
+            module._parameters[name] = params[i]
+
+    def accumulate_grads(self) -> None:
+        """masters.grad (fp32) += copies.grad of the last backward; the copies' gradients are freed."""
+        pairs = [(m, c.grad) for m, c in zip(self.masters, self.copies) if c.grad is not None]
+        if all(m.grad is None for m, _ in pairs):  # the step's first micro-batch
+            for m, _ in pairs:
+                m.grad = torch.empty_like(m)
+            torch._foreach_copy_([m.grad for m, _ in pairs], [g for _, g in pairs])
+        else:
+            for m, _ in pairs:
+                if m.grad is None:
+                    m.grad = torch.zeros_like(m)
+            torch._foreach_add_([m.grad for m, _ in pairs], [g for _, g in pairs])
+        for c in self.copies:
+            c.grad = None
+
+
 class FSDPBackend(Offloadable):
     def __init__(self, model_path: str | Path, train: TrainConfig, total_steps: int, loss_agg: str = "token_mean",
-                 keep_reference: bool = False, device: str | None = None, role: str = "actor"):
+                 keep_reference: bool = False, device: str | None = None, role: str = "actor",
+                 fsdp: bool | None = None):
+        """``fsdp``: wrap the model with FSDP2; None wraps it when there is more than one rank."""
         if not dist.is_initialized():
             raise RuntimeError("FSDPBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         self.train_cfg, self.loss_agg = train, loss_agg
@@ -65,11 +127,23 @@ class FSDPBackend(Offloadable):
         if train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(self.device)
-        low = torch.bfloat16 if (train.dtype == "bf16" and self.device.type == "cuda") else torch.float32
-        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+        low = compute_dtype(train, self.device)
+        self.compiled = train.compile if train.compile is not None else self.device.type == "cuda"
+        self._head = torch.compile(response_logprobs) if self.compiled else response_logprobs
+        if self.compiled:  # the forward only: FSDP's hooks (dynamo-disabled) run eagerly around it
+            for layer in model.model.layers:
+                layer.forward = torch.compile(layer.forward, fullgraph=True)
+        self.fsdp = self.world > 1 if fsdp is None else fsdp
+        if self.world > 1 and not self.fsdp:
+            raise ValueError(f"fsdp=False runs one rank only (no gradient averaging), got {self.world} ranks")
+        self._compute = None
+        if self.fsdp:
+            mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+            for layer in model.model.layers:  # one rank (fsdp=True in tests): keep layers unsharded for the backward
+                fully_shard(layer, mp_policy=mp, reshard_after_forward=self.world > 1)
+            fully_shard(model, mp_policy=mp)
+        elif low != torch.float32:
+            self._compute = ComputeCopy(model, low)
         self.model = model
         peak = train.critic_lr if role == "critic" else train.lr
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), train, total_steps, peak)
@@ -77,12 +151,17 @@ class FSDPBackend(Offloadable):
         self._ref_shards = host_copy(self._local_shards()) if keep_reference else None
 
     # ---- forward ----------------------------------------------------------------------------------------------
-    def _forward(self, mb: TrainBatch, temperature: float, with_entropy: bool):
-        """Actor: (logp, entropy) of the response tokens. Critic: (values, None). All [B, T]."""
-        out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+    def _forward(self, mb: TrainBatch, first: int, temperature: float, with_entropy: bool):
+        """Actor: (logp, entropy) of the response tokens. Critic: (values, None). All [B, T].
+
+        ``first``: first_predicting_position of the micro-batch, taken on the host (no device sync)."""
         if self.role == "critic":
+            out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
             return response_values(out, mb), None
-        return response_logprobs(out, mb, temperature, with_entropy)
+        keep = mb.input_ids.shape[1] - first
+        out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
+                         logits_to_keep=keep).logits
+        return self._head(out, mb, temperature, with_entropy, first)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, policy: str = "current", temperature: float = 1.0,
@@ -92,17 +171,19 @@ class FSDPBackend(Offloadable):
         For the critic this returns the values V(s_j) instead (see ``values``)."""
         if policy == "ref" and self._ref_shards is None:
             raise ValueError("no reference policy kept: construct with keep_reference=True")
-        with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext():
+        with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext(), \
+                self._computing():
             self.model.eval()
             logp = torch.zeros(batch.loss_mask.shape)
             ent = torch.zeros(batch.loss_mask.shape) if with_entropy else None
             for idx in micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu):
                 mb = batch.select(idx)
-                lp, en = self._forward(mb.to(self.device), temperature, with_entropy)
+                lp, en = self._forward(mb.to(self.device), first_predicting_position(mb), temperature, with_entropy)
                 logp[idx, : lp.shape[1]] = lp.float().cpu()
                 if with_entropy:
                     ent[idx, : en.shape[1]] = en.float().cpu()
-            self.model.reshard()  # FSDP2 keeps the root's parameters unsharded after a forward without backward
+            if self.fsdp:
+                self.model.reshard()  # FSDP2 keeps the root's parameters unsharded after a forward without backward
         return logp, ent
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
@@ -119,16 +200,22 @@ class FSDPBackend(Offloadable):
         groups = micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu)
         total_units = loss_units(batch.loss_mask, self.loss_agg).to(torch.float64)
         dist.all_reduce(total_units)
-        sums: dict[str, float] = {}
-        for k, idx in enumerate(groups):
-            mb = batch.select(idx).to(self.device)
-            self.model.set_requires_gradient_sync(k == len(groups) - 1)
-            logp, entropy = self._forward(mb, temperature, with_entropy)
-            loss, metrics = loss_fn(logp, entropy, mb)
-            weight = float(loss_units(mb.loss_mask, self.loss_agg)) / float(total_units)
-            (loss * weight * self.world).backward()
-            for name, value in metrics.items():
-                sums[name] = sums.get(name, 0.0) + float(value) * weight
+        sums: dict[str, torch.Tensor | float] = {}
+        with self._computing():
+            for k, idx in enumerate(groups):
+                host = batch.select(idx)  # weights and positions from host tensors: no device sync inside the loop
+                weight = float(loss_units(host.loss_mask, self.loss_agg)) / float(total_units)
+                mb = host.to(self.device)
+                if self.fsdp:
+                    self.model.set_requires_gradient_sync(k == len(groups) - 1)
+                logp, entropy = self._forward(mb, first_predicting_position(host), temperature, with_entropy)
+                loss, metrics = loss_fn(logp, entropy, mb)
+                (loss * weight * self.world).backward()
+                if self._compute is not None:
+                    self._compute.accumulate_grads()
+                for name, value in metrics.items():
+                    value = value.detach() if torch.is_tensor(value) else value  # read after the step: one sync
+                    sums[name] = sums.get(name, 0.0) + value * weight
         max_norm = self.train_cfg.clip_grad if self.train_cfg.clip_grad > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -137,11 +224,20 @@ class FSDPBackend(Offloadable):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        reduced = torch.tensor(list(sums.values()), dtype=torch.float64)
+        reduced = torch.tensor([float(v) for v in sums.values()], dtype=torch.float64)
         dist.all_reduce(reduced)  # each rank's weighted sum covers its units; summed over ranks = global mean
         out = dict(zip(sums, reduced.tolist()))
         out.update(grad_norm=float(grad_norm), lr=lr)
         return out
+
+    def _computing(self):
+        """The block's forward/backward run on the low-precision copies (one rank without FSDP; else nothing)."""
+        return self._compute.swapped_in() if self._compute is not None else nullcontext()
+
+    def offload(self) -> float:
+        if self._compute is not None:
+            self._compute.copies = None  # rebuilt from the masters at the next forward
+        return super().offload()
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,6 +1,7 @@
 """train=fsdp on CPU with gloo: exact DP / micro-batch invariance, logprob alignment, reference policy, checkpoint
 resume, HF export. Functions run on spawned ranks must be module-level (pickled by name)."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -26,6 +27,49 @@ def test_dp2_and_micro_batch_splits_equal_single_rank_full_batch():
         for (loss, norm), (ref_loss, ref_norm) in zip(got, reference):
             assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5 * max(1, ref_norm), (world, micro)
     assert reference[2][0] < reference[0][0]  # the policy-gradient loss falls over 3 steps
+
+
+def _steps_and_logprobs(rank, world, path, compiled):
+    train = TrainConfig(**CFG, micro_batch_samples=3, compile=compiled)  # micro-batches of 3, 3, 2: shapes change
+    backend = FSDPBackend(path, train, total_steps=2)
+    batch = toy_batch()
+    steps = [backend.train_step(batch.select(list(range(rank, 8, world))), pg_loss) for _ in range(2)]
+    logp, entropy = backend.logprobs(batch, with_entropy=True)
+    return [(float(m["pg_loss"]), m["grad_norm"]) for m in steps], logp, entropy
+
+
+def test_compiled_layers_give_the_eager_loss_grad_norm_and_logprobs():
+    path = tiny_checkpoint()
+    eager = run_ranks(1, _steps_and_logprobs, path, False)[0]
+    steps, logp, entropy = run_ranks(1, _steps_and_logprobs, path, True)[0]  # ~20 s of CPU compiles
+    for (loss, norm), (ref_loss, ref_norm) in zip(steps, eager[0]):
+        assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5 * max(1, ref_norm)
+    torch.testing.assert_close(logp, eager[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, eager[2], atol=1e-5, rtol=0)
+
+
+def _bf16_steps(rank, world, path, fsdp):
+    import slime_hydra.train.fsdp as module
+
+    module.compute_dtype = lambda train, device: torch.bfloat16  # CPU runs in fp32; take the GPU's bf16 path here
+    backend = FSDPBackend(path, TrainConfig(**CFG, micro_batch_samples=3), total_steps=3, fsdp=fsdp)
+    batch = toy_batch()
+    steps = [backend.train_step(batch, pg_loss) for _ in range(3)]
+    weights = {n: t.clone() for n, t in backend.iter_full_weights()}
+    return [(float(m["pg_loss"]), m["grad_norm"]) for m in steps], weights, backend.logprobs(batch)[0]
+
+
+def test_one_rank_bf16_compute_copy_equals_fsdp_mixed_precision():
+    path = tiny_checkpoint()
+    plain_steps, plain_weights, plain_logp = run_ranks(1, _bf16_steps, path, False)[0]  # the default on one rank
+    fsdp_steps, fsdp_weights, fsdp_logp = run_ranks(1, _bf16_steps, path, True)[0]
+    for (loss, norm), (ref_loss, ref_norm) in zip(plain_steps, fsdp_steps):
+        assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5 * max(1, ref_norm)
+    for name, tensor in fsdp_weights.items():
+        assert plain_weights[name].dtype == tensor.dtype == torch.float32  # fp32 masters either way
+        torch.testing.assert_close(plain_weights[name], tensor, atol=1e-6, rtol=0)
+    torch.testing.assert_close(plain_logp, fsdp_logp, atol=1e-5, rtol=0)
+    assert plain_steps[2][0] < plain_steps[0][0]
 
 
 def _logprob_checks(rank, world, path):
@@ -78,11 +122,12 @@ def _run_with_checkpoint(rank, world, path, ckpt, phase):
     return losses + [backend.step]
 
 
-def test_checkpoint_resume_reproduces_the_next_steps_exactly(tmp_path):
+@pytest.mark.parametrize("world", [1, 2])  # one rank: the unwrapped model; two: FSDP
+def test_checkpoint_resume_reproduces_the_next_steps_exactly(tmp_path, world):
     path = tiny_checkpoint()
-    full = run_ranks(2, _run_with_checkpoint, path, tmp_path / "ckpt", "full")[0]
-    first = run_ranks(2, _run_with_checkpoint, path, tmp_path / "ckpt", "first")[0]
-    resumed = run_ranks(2, _run_with_checkpoint, path, tmp_path / "ckpt", "resume")[0]  # a fresh process group
+    full = run_ranks(world, _run_with_checkpoint, path, tmp_path / "ckpt", "full")[0]
+    first = run_ranks(world, _run_with_checkpoint, path, tmp_path / "ckpt", "first")[0]
+    resumed = run_ranks(world, _run_with_checkpoint, path, tmp_path / "ckpt", "resume")[0]  # a fresh process group
     assert first == full[:2]
     assert resumed == full[2:]  # bitwise equal losses after resume, and the step counter continued (4)
 
@@ -96,9 +141,10 @@ def _export(rank, world, path, out):
     return weights, backend.logprobs(batch)[0]
 
 
-def test_export_hf_and_full_weights_match_the_trained_model(tmp_path):
+@pytest.mark.parametrize("world", [1, 2])
+def test_export_hf_and_full_weights_match_the_trained_model(tmp_path, world):
     path = tiny_checkpoint()
-    weights, logp = run_ranks(2, _export, path, tmp_path / "hf")[0]
+    weights, logp = run_ranks(world, _export, path, tmp_path / "hf")[0]
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     state = exported.state_dict()
     assert set(weights) == set(state)
