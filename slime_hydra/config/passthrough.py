@@ -39,6 +39,7 @@ MEGATRON_OWNED = {
     "pipeline_model_parallel_size": "train.pp",
     "context_parallel_size": "train.cp",
     "expert_model_parallel_size": "train.ep",
+    "use_distributed_optimizer": "train.distributed_optimizer",
     "num_layers": "model.num_layers",
     "hidden_size": "model.hidden_size",
     "ffn_hidden_size": "model.ffn_hidden_size",

@@ -58,6 +58,10 @@ class TrainConfig:
     compile: Optional[bool] = None
     """train=fsdp: torch.compile each decoder layer's forward and the logprob head (fewer, fused kernels; the first
     steps pay the compile). null: on when training on CUDA, off on CPU (inductor's C++ compile is slow there)."""
+    distributed_optimizer: bool = True
+    """train=megatron: shard the Adam state over the data-parallel (and context-parallel) peers, ZeRO stage 1
+    (megatron's --use-distributed-optimizer; here torch's ZeroRedundancyOptimizer, train/optim.py). Nothing to
+    shard with a single such peer."""
     ref_on_cpu: bool = True
     """Keep the reference policy's weights on the host and swap them in for ref logprobs (no second GPU copy)."""
     weight_sync: str = "auto"

@@ -21,7 +21,7 @@ def to_host(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tu
     """Move the model and the optimizer's GPU state to the host; returns the (state dict, key) pairs moved."""
     model.to("cpu", non_blocking=True)
     moved = []
-    for state in optimizer.state.values():
+    for state in getattr(optimizer, "optim", optimizer).state.values():  # ZeroRedundancyOptimizer: its shard's
         for key, value in state.items():
             if torch.is_tensor(value) and value.is_cuda:
                 state[key] = value.to("cpu", non_blocking=True)

@@ -191,7 +191,14 @@ def _two_ranks(rank, world, path, ckpt, export):
     parallel_state.destroy_model_parallel()
     dp2 = MegatronBackend(path, TrainConfig(**CFG, tp=1, micro_batch_samples=2), total_steps=3)
     out["dp"] = (dp2.dp_rank, dp2.dp_size)
-    out["dp2"] = _three_steps(dp2, toy_batch().select(list(range(dp2.dp_rank, 8, dp2.dp_size))))
+    rows = toy_batch().select(list(range(dp2.dp_rank, 8, dp2.dp_size)))
+    out["dp2"] = _three_steps(dp2, rows)
+    # train.distributed_optimizer (default): ZeRO-1 over the two DP peers; without it, the same three steps
+    plain = MegatronBackend(path, TrainConfig(**CFG, tp=1, micro_batch_samples=2, distributed_optimizer=False),
+                            total_steps=3)
+    out["dp2_plain"] = _three_steps(plain, rows)
+    out["zero"] = (dp2.zero, plain.zero, len(dp2.optimizer.optim.state), len(plain.optimizer.state),
+                   max(float((a - b).abs().max()) for a, b in zip(dp2.model.parameters(), plain.model.parameters())))
     return out
 
 
@@ -425,6 +432,19 @@ def test_tp2_dp2_and_micro_batches_equal_tp1_on_the_same_batch(one_rank, two_ran
     assert two_ranks[0]["tp2"] == two_ranks[1]["tp2"]  # TP peers report the same loss and norm
     assert two_ranks[0]["dp"] == (0, 2) and two_ranks[1]["dp"] == (1, 2)
     assert tp1[2][0] < tp1[0][0]  # the policy-gradient loss falls
+
+
+def test_distributed_optimizer_shards_adam_state_and_takes_the_same_steps(two_ranks):
+    two_ranks, _ = two_ranks
+    owned = []
+    for rank in range(2):
+        zero, plain_zero, own, full, weight_diff = two_ranks[rank]["zero"]
+        assert zero and not plain_zero
+        assert two_ranks[rank]["dp2"] == two_ranks[rank]["dp2_plain"]  # the same losses and grad norms, bitwise
+        assert weight_diff < 1e-6  # foreach (ZeRO) vs fused-or-foreach AdamW: the same update up to rounding
+        assert 0 < own < full
+        owned.append(own)
+    assert sum(owned) == full  # every parameter's Adam state lives on exactly one peer
 
 
 def test_megatron_and_fsdp_agree(one_rank):

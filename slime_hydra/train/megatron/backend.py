@@ -33,8 +33,10 @@ micro-batch, the q/k-norm gradients (shared across heads, each TP rank sees only
 tied embedding's two copies (first stage's embedding, last stage's output layer, when pp > 1) are summed over
 megatron's embedding group, then every gradient is summed over CP and averaged over DP in flat buckets (one
 all-reduce over megatron's data-parallel-with-CP group, divided by dp). The optimizer is optim.py's
-AdamW over this rank's parameter shards (fp32 masters; bf16 compute under autocast on GPU) -- no ZeRO sharding of
-optimizer states.
+AdamW over this rank's parameter shards (fp32 masters; bf16 compute under autocast on GPU); with
+``train.distributed_optimizer`` (default) and more than one data-parallel-with-CP peer, its state is sharded over
+those peers (ZeRO-1, torch's ZeroRedundancyOptimizer: each parameter's Adam state lives on one peer, which
+updates it and broadcasts it), megatron's distributed optimizer in effect, on CPU and GPU alike.
 
 Grad norm: sum of squares of the TP-split parameters all-reduced over TP, plus the replicated ones (norms) once,
 summed over the PP stages (the tied embedding's copy counted once; CP peers hold the same reduced gradients and
@@ -66,6 +68,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from slime_hydra.train.batch import TrainBatch, predicting_positions, loss_units, micro_batches, response_values
@@ -145,7 +148,10 @@ class MegatronBackend(Offloadable):
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if train.dtype == "bf16" and self.device.type == "cuda" else nullcontext())
         peak = train.critic_lr if role == "critic" else train.lr
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), train, total_steps, peak)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model.parameters(), train, total_steps, peak,
+            shard_group=self.dp_cp_group if train.distributed_optimizer else None)
+        self.zero = isinstance(self.optimizer, ZeroRedundancyOptimizer)
         self.step = 0
         self._ref_shards = host_copy(self._local_shards()) if keep_reference else None
 
@@ -429,6 +435,8 @@ class MegatronBackend(Offloadable):
         ckpt_dir = Path(ckpt_dir)
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         rank = dist.get_rank()
+        if self.zero:  # every peer's share of the Adam state, gathered on the peer that writes (collective)
+            self.optimizer.consolidate_state_dict(to=0)
         if self.dp_rank == 0 and self.cp_rank == 0:  # CP and DP peers hold the same shards
             torch.save({"model": host_copy(self._local_shards()), "optim": self.optimizer.state_dict(),
                         "ref": self._ref_shards}, ckpt_dir / self._slot_file)
