@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=None, help="megatron tensor-parallel size (default: world size)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                        help="fsdp: train.compile (auto: on with CUDA); the warmup steps pay the compile")
+                        help="train.compile, both backends (auto: on with CUDA); the warmup steps pay the compile")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the measured steps, profile one more step and print the N costliest ops (rank 0)")
     parser.add_argument("--trace", default=None, help="with --profile: write the profiled step's Chrome trace here")

@@ -139,10 +139,6 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"train=fsdp is data parallel only, but tp={t.tp} pp={t.pp} cp={t.cp}",
                       "use train=megatron for tensor, pipeline or context parallelism, or set train.tp=1 "
                       "train.pp=1 train.cp=1")
-    if t.backend == "megatron" and t.compile:
-        yield Problem(("train.compile", "train.backend"),
-                      "train.compile compiles the HF decoder layers of train=fsdp; train=megatron builds its own",
-                      "set train.compile=null (or false) with train=megatron")
     if m.num_attention_heads % t.tp:
         yield Problem(("train.tp", "model.num_attention_heads"),
                       f"model.num_attention_heads={m.num_attention_heads} is not divisible by train.tp={t.tp}",

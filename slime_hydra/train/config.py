@@ -56,8 +56,9 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     compile: Optional[bool] = None
-    """train=fsdp: torch.compile each decoder layer's forward and the logprob head (fewer, fused kernels; the first
-    steps pay the compile). null: on when training on CUDA, off on CPU (inductor's C++ compile is slow there)."""
+    """torch.compile each decoder layer's forward (train=fsdp: HF's decoder layers; train=megatron: each
+    TransformerLayer) and the logprob head (fewer, fused kernels; the first steps pay the compile). null: on when
+    training on CUDA, off on CPU (inductor's C++ compile is slow there)."""
     distributed_optimizer: bool = True
     """train=megatron: shard the Adam state over the data-parallel (and context-parallel) peers, ZeRO stage 1
     (megatron's --use-distributed-optimizer; here torch's ZeroRedundancyOptimizer, train/optim.py). Nothing to

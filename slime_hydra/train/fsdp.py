@@ -29,7 +29,7 @@ them into the parameters, runs the forward, and copies the trained shards back (
 import json
 import os
 import random
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -45,63 +45,12 @@ from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss
                                      response_logprobs, response_values)
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.offload import Offloadable
+from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.optim import build_optimizer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
 """loss_fn(logp [B,T], entropy [B,T] or None, micro_batch) -> (mean loss over the micro-batch's units, metrics)."""
-
-
-def compute_dtype(train: TrainConfig, device: torch.device) -> torch.dtype:
-    """The forward/backward dtype: bf16 on CUDA with train.dtype=bf16, else fp32 (CPU runs use fp32)."""
-    return torch.bfloat16 if (train.dtype == "bf16" and device.type == "cuda") else torch.float32
-
-
-class ComputeCopy:
-    """Mixed precision on one rank without FSDP: the model's parameters stay the fp32 masters (the optimizer,
-    checkpoints, weight sync and the reference swap only see those); inside ``swapped_in`` the modules hold
-    low-precision copies refreshed from the masters by one multi-tensor copy, and ``accumulate_grads`` adds each
-    backward's low-precision gradients into the masters' fp32 ``.grad`` (FSDP's reduce_dtype=fp32 accumulation)."""
-
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
-        self.dtype = dtype
-        self.masters = list(model.parameters())
-        index = {id(p): i for i, p in enumerate(self.masters)}
-        self.slots = [(module, name, index[id(p)]) for module in model.modules()  # tied weights: two slots
-                      for name, p in module._parameters.items() if p is not None]
-        self.copies: list[torch.nn.Parameter] | None = None  # allocated on first use, freed by offload
-
-    @contextmanager
-    def swapped_in(self):
-        if self.copies is None:
-            self.copies = [torch.nn.Parameter(torch.empty_like(p, dtype=self.dtype), requires_grad=p.requires_grad)
-                           for p in self.masters]
-        with torch.no_grad():
-            torch._foreach_copy_(self.copies, self.masters)
-        self._place(self.copies)
-        try:
-            yield
-        finally:
-            self._place(self.masters)
-
-    def _place(self, params: list[torch.nn.Parameter]) -> None:
-        for module, name, i in self.slots:
-            module._parameters[name] = params[i]
-
-    def accumulate_grads(self) -> None:
-        """masters.grad (fp32) += copies.grad of the last backward; the copies' gradients are freed."""
-        pairs = [(m, c.grad) for m, c in zip(self.masters, self.copies) if c.grad is not None]
-        if all(m.grad is None for m, _ in pairs):  # the step's first micro-batch
-            for m, _ in pairs:
-                m.grad = torch.empty_like(m)
-            torch._foreach_copy_([m.grad for m, _ in pairs], [g for _, g in pairs])
-        else:
-            for m, _ in pairs:
-                if m.grad is None:
-                    m.grad = torch.zeros_like(m)
-            torch._foreach_add_([m.grad for m, _ in pairs], [g for _, g in pairs])
-        for c in self.copies:
-            c.grad = None
 
 
 class FSDPBackend(Offloadable):

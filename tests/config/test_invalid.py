@@ -31,7 +31,6 @@ INVALID = [
     ((*BIG, "train=megatron", "train.num_gpus=8", "train.pp=8", "train.micro_batch_samples=1"), "train.pp",
      "not divisible by train.pp=8"),
     ((*BIG, "train.num_gpus=2", "train.tp=2"), "train.backend", "use train=megatron"),
-    (("train=megatron", "train.compile=true"), "train.compile", "set train.compile=null"),
     ((*BIG, "train.num_gpus=2", "train.cp=2"), "train.cp", "use train=megatron for tensor, pipeline or context"),
     ((*BIG, "train=megatron", "train.num_gpus=6", "train.tp=2", "train.cp=2", "train.micro_batch_samples=1"),
      "train.cp", "tp(2) x pp(1) x cp(2) = 4"),

@@ -737,3 +737,42 @@ def test_gpu_tp2_pp2_and_cp2_equal_dp2(checkpoints):
         got = run_ranks(2, _gpu_tp, checkpoints[TRAIN_FAMILY], tp, pp, cp)[0]
         assert _close(got[:1], dp2[:1], 1e-4), (name, got, dp2)
         assert _close(got, dp2, 1e-3), (name, got, dp2)
+
+
+def _speed_paths(rank, world, path, compiled, bf16, tp=1, pp=1):
+    """Three steps and the logprobs of one tiny model, optionally compiled and/or on the bf16 compute copy."""
+    import slime_hydra.train.megatron.backend as module
+
+    if bf16:  # CPU runs in fp32; take the GPU's bf16 path (ComputeCopy instead of autocast) here
+        module.compute_dtype = lambda train, device: torch.bfloat16
+    backend = module.MegatronBackend(path, TrainConfig(**CFG, tp=tp, pp=pp, micro_batch_samples=3, compile=compiled),
+                                     total_steps=3)
+    batch = toy_batch()
+    logp, entropy = backend.logprobs(batch, with_entropy=True)
+    steps = _three_steps(backend, batch)
+    dtypes = {p.dtype for p in backend.model.parameters()}
+    return steps, logp, entropy, dtypes
+
+
+def test_compiled_layers_and_head_give_the_eager_loss_grad_norm_and_logprobs(checkpoints):
+    path = checkpoints[TRAIN_FAMILY]
+    eager_steps, eager_logp, eager_entropy, _ = run_ranks(1, _speed_paths, path, False, False)[0]
+    steps, logp, entropy, _ = run_ranks(1, _speed_paths, path, True, False)[0]  # CPU inductor compiles
+    for (loss, norm), (ref_loss, ref_norm) in zip(steps, eager_steps):  # fp32, fused kernels' summation order
+        assert abs(loss - ref_loss) < 1e-4 * max(1, abs(ref_loss)) and abs(norm - ref_norm) < 1e-4 * max(1, ref_norm)
+    torch.testing.assert_close(logp, eager_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, eager_entropy, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_bf16_compute_copy_keeps_fp32_masters_and_tracks_fp32(checkpoints, tp, pp):
+    """The GPU's bf16 path (bf16 copies of each rank's shards, fp32 gradient accumulation into the masters):
+    loss and grad norm within bf16 tolerance of fp32, at TP1, TP2 and PP2; the parameters stay fp32."""
+    path = checkpoints[TRAIN_FAMILY]
+    ref_steps, ref_logp, _, _ = run_ranks(1, _speed_paths, path, False, False)[0]
+    for steps, logp, _, dtypes in run_ranks(tp * pp, _speed_paths, path, False, True, tp, pp):
+        assert dtypes == {torch.float32}
+        for (loss, norm), (ref_loss, ref_norm) in zip(steps[:1], ref_steps[:1]):
+            assert abs(loss - ref_loss) < 0.02 * max(1, abs(ref_loss)) and abs(norm - ref_norm) < 0.02 * ref_norm
+        assert (logp - ref_logp).abs().max() < 0.05
+        assert steps[2][0] < steps[0][0]

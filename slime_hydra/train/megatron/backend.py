@@ -13,8 +13,8 @@ rank holds the whole sequence's K/V, one layer at a time). The last stage gather
 or values over CP, so every CP rank computes the same loss on the full [B, T]; a token budget
 (``train.max_tokens_per_gpu``) counts per GPU, so micro-batches pack cp times as many tokens.
 
-Pipeline (pp > 1): each stage runs its layers on every micro-batch; activations [s, b, H] (fp32: with fp32
-parameters the residual stream is fp32 even under bf16 autocast) go to the next stage and their gradients come
+Pipeline (pp > 1): each stage runs its layers on every micro-batch; activations [s, b, H] (sent in fp32, cast to
+the compute dtype at the receiving stage) go to the next stage and their gradients come
 back, point to point between the ranks of the same TP slot, in megatron's 1F1B order (stage r runs
 pp - r - 1 warm-up forwards, then alternates one forward and one backward, then drains the backwards). Megatron's
 own schedules (``get_forward_backward_func``) allocate their receive buffers and token counter on CUDA
@@ -33,7 +33,7 @@ micro-batch, the q/k-norm gradients (shared across heads, each TP rank sees only
 tied embedding's two copies (first stage's embedding, last stage's output layer, when pp > 1) are summed over
 megatron's embedding group, then every gradient is summed over CP and averaged over DP in flat buckets (one
 all-reduce over megatron's data-parallel-with-CP group, divided by dp). The optimizer is optim.py's
-AdamW over this rank's parameter shards (fp32 masters; bf16 compute under autocast on GPU); with
+AdamW over this rank's parameter shards (fp32 masters; bf16 compute on GPU: see Precision below); with
 ``train.distributed_optimizer`` (default) and more than one data-parallel-with-CP peer, its state is sharded over
 those peers (ZeRO-1, torch's ZeroRedundancyOptimizer: each parameter's Adam state lives on one peer, which
 updates it and broadcasts it), megatron's distributed optimizer in effect, on CPU and GPU alike.
@@ -57,6 +57,16 @@ Checkpoints: per (PP stage, TP rank), model and optimizer shards (written by the
 world size, tp and pp (cp and dp may be traded). To change tp or pp, export_hf and start a new run from the export
 (optimizer state is not carried).
 
+Precision and speed (a 0.5B model's step is host-bound: many short kernels): parameters are fp32 masters (the
+optimizer, gradient reduction, checkpoints, weight sync and the reference swap see only those); with bf16 on GPU
+the forward/backward run on ``precision.ComputeCopy``'s bf16 copies of this rank's shards (one multi-tensor copy in,
+each backward's bf16 gradients added into the masters' fp32 ``.grad``), not under torch.autocast (a cast per weight
+use); pipeline activations still travel in fp32 and are cast at the stage's input. With ``train.compile`` (null:
+on with CUDA) each TransformerLayer's forward and, at tp=1 cp=1, the logprob head (logsumexp of the kept positions,
+batch.response_logprobs) are torch.compiled. The LM head runs only from the first position that predicts a
+response token (cp=1). No device sync inside the micro-batch loop (loss weights from host tensors, metrics read
+after the loop).
+
 Not supported: expert parallelism (ep > 1: the families converted here are dense; refused at construction, and by
 config validation for dense models, config/rules.py); ring attention or packed (THD) sequences under CP.
 """
@@ -71,7 +81,8 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from slime_hydra.train.batch import TrainBatch, predicting_positions, loss_units, micro_batches, response_values
+from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss_units, micro_batches,
+                                     predicting_positions, response_logprobs, response_values)
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.fsdp import rng_state, set_rng_state
@@ -81,6 +92,7 @@ from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, 
                                               transformer_engine_available)
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
 from slime_hydra.train.offload import Offloadable
+from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.optim import build_optimizer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -145,6 +157,22 @@ class MegatronBackend(Offloadable):
         self._shared = (self.params[shared] if train.pp > 1 and self.head == "lm" and self.arch.tie_word_embeddings
                         and (self.first_stage or self.last_stage) else None)
         self.vocab_start = self.tp_rank * (self.arch.vocab_size // self.tp_size)
+        low = compute_dtype(train, self.device)
+        self._compute = ComputeCopy(self.model, low) if low != torch.float32 else None
+        self.compiled = train.compile if train.compile is not None else self.device.type == "cuda"
+        if self.compiled:  # each layer's forward; megatron's recompute (if on) calls it eagerly around the graph
+            import torch._dynamo as dynamo
+
+            limit = 2 * len(self.model.decoder.layers) + 8  # room for a guard on a per-layer attribute
+            for knob in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dynamo.config, knob):
+                    setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), limit))
+            for layer in self.model.decoder.layers:
+                layer.forward = torch.compile(layer.forward)
+        self._lm_logprobs = (torch.compile(response_logprobs) if self.compiled else response_logprobs)
+        self._keep_from = 0  # the LM head's first position (set per micro-batch; cp=1 only)
+        if self.last_stage and self.head == "lm" and self.cp_size == 1:
+            self.model.output_layer.register_forward_pre_hook(self._slice_head_input)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if train.dtype == "bf16" and self.device.type == "cuda" else nullcontext())
         peak = train.critic_lr if role == "critic" else train.lr
@@ -183,9 +211,14 @@ class MegatronBackend(Offloadable):
         if self.cp_size > 1:  # RoPE takes the global positions from megatron's own CP slicing (spec.py)
             ids, positions = (split_sequence(t, 1, self.cp_rank, self.cp_size) for t in (ids, positions))
         if not self.first_stage:
-            self.model.set_input_tensor(hidden)
-        with self.autocast:
+            low = self._compute.dtype if self._compute is not None else hidden.dtype
+            self.model.set_input_tensor(hidden.to(low))  # pipeline activations travel in fp32
+        with self.autocast if self._compute is None else nullcontext():
             return self.model(ids, positions, None)
+
+    def _slice_head_input(self, module, args):
+        """Forward pre-hook of the output layer: hidden states [s, b, H] from the first predicting position on."""
+        return (args[0][self._keep_from:],) + tuple(args[1:])
 
     def _head(self, out: torch.Tensor, mb: TrainBatch, temperature: float, with_entropy: bool):
         """Last stage: (logp, entropy) [B, T] of the response tokens, identical on every TP rank; the critic's
@@ -194,10 +227,13 @@ class MegatronBackend(Offloadable):
             return self._head_context_parallel(out, mb, temperature, with_entropy)
         if self.head == "value":
             return response_values(out, mb), None
+        first = self._keep_from  # out[:, k] is the output at position first + k
+        if self.tp_size == 1:
+            return self._lm_logprobs(out, mb, temperature, with_entropy, first)
         length = mb.input_ids.shape[1]
         pos, valid = predicting_positions(mb, length)
         b, t = mb.loss_mask.shape
-        picked = torch.gather(out, 1, pos.unsqueeze(-1).expand(b, t, out.shape[-1])).float()
+        picked = torch.gather(out, 1, (pos - first).unsqueeze(-1).expand(b, t, out.shape[-1])).float()
         if temperature != 1.0:
             picked = picked / temperature
         targets = torch.gather(mb.input_ids, 1, (pos + 1).clamp(max=length - 1))
@@ -227,15 +263,18 @@ class MegatronBackend(Offloadable):
 
     def _pipeline(self, mbs: list[TrainBatch], on_output: Callable, backward: bool) -> None:
         """Every micro-batch through every stage in 1F1B order (module docstring); the last stage calls
-        ``on_output(k, micro_batch, output)``, which returns the scaled loss to backpropagate when ``backward``.
-        Collective over the PP group (each rank talks to its neighbours of the same TP slot)."""
+        ``on_output(k, micro_batch, output)``, which returns the scaled loss to backpropagate when ``backward``
+        (``mbs``: host batches, each moved to the device here). Collective over the PP group (each rank talks to
+        its neighbours of the same TP slot)."""
         from megatron.core import parallel_state
 
         n, hidden_size = len(mbs), self.arch.hidden_size
         inputs, outputs, pending = [None] * n, [None] * n, []
 
         def forward(k: int) -> None:
-            mb, hidden = mbs[k], None
+            mb, hidden = mbs[k].to(self.device), None
+            if self.last_stage and self.head == "lm" and self.cp_size == 1:
+                self._keep_from = first_predicting_position(mbs[k])  # from the host batch
             if not self.first_stage:
                 hidden = torch.empty(self._local_length(mb), mb.size, hidden_size, device=self.device,
                                      requires_grad=backward)
@@ -257,6 +296,8 @@ class MegatronBackend(Offloadable):
                 grad = torch.empty_like(outputs[k])
                 dist.recv(grad, src=parallel_state.get_pipeline_model_parallel_next_rank())
                 torch.autograd.backward(outputs[k], grad)
+            if self._compute is not None:
+                self._compute.accumulate_grads()
             if not self.first_stage:
                 pending.append((dist.isend(inputs[k].grad, dst=parallel_state.get_pipeline_model_parallel_prev_rank()),
                                 inputs[k]))
@@ -303,9 +344,10 @@ class MegatronBackend(Offloadable):
             if with_entropy:
                 ent[groups[k], : en.shape[1]] = en.float().cpu()
 
-        with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext():
+        with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext(), \
+                self._computing():
             self.model.eval()
-            self._pipeline([batch.select(idx).to(self.device) for idx in groups], collect, backward=False)
+            self._pipeline([batch.select(idx) for idx in groups], collect, backward=False)
         return self._from_last_stage(logp), (self._from_last_stage(ent) if with_entropy else None)
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
@@ -323,17 +365,21 @@ class MegatronBackend(Offloadable):
         groups = self._micro_batches(batch)
         total_units = loss_units(batch.loss_mask, self.loss_agg).to(self.device, torch.float64)
         dist.all_reduce(total_units, group=self.dp_group)
-        sums: dict[str, float] = {}
+        hosts = [batch.select(idx) for idx in groups]  # loss weights from host tensors: no sync inside the loop
+        weights = [float(loss_units(h.loss_mask, self.loss_agg)) / float(total_units) for h in hosts]
+        sums: dict[str, torch.Tensor | float] = {}
 
         def loss_of(k, mb, out):
             logp, entropy = self._head(out, mb, temperature, with_entropy)
             loss, metrics = loss_fn(logp, entropy, mb)
-            weight = float(loss_units(mb.loss_mask, self.loss_agg)) / float(total_units)
             for name, value in metrics.items():
-                sums[name] = sums.get(name, 0.0) + float(value) * weight
-            return loss * weight * self.dp_size
+                value = value.detach() if torch.is_tensor(value) else value  # read after the step: one sync
+                sums[name] = sums.get(name, 0.0) + value * weights[k]
+            return loss * weights[k] * self.dp_size
 
-        self._pipeline([batch.select(idx).to(self.device) for idx in groups], loss_of, backward=True)
+        with self._computing():
+            self._pipeline(hosts, loss_of, backward=True)
+        sums = {name: float(value) for name, value in sums.items()}
         self._reduce_gradients()
         grad_norm = self._clip_gradients(self.train_cfg.clip_grad)
         lr = self.scheduler.get_last_lr()[0]
@@ -351,6 +397,15 @@ class MegatronBackend(Offloadable):
         out = dict(zip(sums, reduced.tolist()))
         out.update(grad_norm=grad_norm, lr=lr)
         return out
+
+    def _computing(self):
+        """The block's forward/backward run on the bf16 compute copies (GPU with bf16; else nothing)."""
+        return self._compute.swapped_in() if self._compute is not None else nullcontext()
+
+    def offload(self) -> float:
+        if self._compute is not None:
+            self._compute.copies = None  # rebuilt from the masters at the next forward
+        return super().offload()
 
     def _reduce_gradients(self) -> None:
         from megatron.core import parallel_state

@@ -159,7 +159,7 @@ def init_parallel(tp: int, pp: int = 1, cp: int = 1, ep: int = 1, seed: int = 0)
 def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "cpu",
                        use_te: bool = False, overrides: dict[str, Any] | None = None):
     """megatron's TransformerConfig for this architecture. Parameters are fp32 (the optimizer's masters); bf16
-    compute runs under autocast. ``overrides`` are TransformerConfig fields (train.megatron passthrough)."""
+    compute runs on precision.ComputeCopy's bf16 copies of them (backend.py). ``overrides`` are TransformerConfig fields (train.megatron passthrough)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(
