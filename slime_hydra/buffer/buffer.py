@@ -16,7 +16,8 @@ Where a group goes when it is added (``add_group`` returns which, as a ``Verdict
 - any sample failed -> dropped (counted ``failed``);
 - any sample aborted or pending -> recycled: its aborted samples become pending again, with their partial
   tokens, response and logprobs kept, and the group waits in the pending queue; the next ``request`` hands
-  pending groups out before asking for new prompts, so the generator resumes them (samples already completed
+  pending groups out before asking for new prompts, those with partial responses first (their tokens age with
+  every weight update), otherwise in arrival order, so the generator resumes them (samples already completed
   stay completed). With ``recycle_aborted=False`` such groups are dropped (counted ``aborted_discarded``);
 - too old (see staleness) -> dropped (counted ``stale``);
 - the filters run in order; the first that rejects the group sends it to the reserve (counted
@@ -247,7 +248,8 @@ class RolloutBuffer:
                     f"round {self._rounds} finished no group and the batch is still short: {len(self._kept)} kept "
                     f"+ {len(self._reserve)} filtered of {batch_prompts} needed; this step: {dict(self._step)}")
         size = math.ceil(deficit * over / batch_prompts)
-        resume = [self._pending.popleft() for _ in range(min(size, len(self._pending)))]
+        order = sorted(self._pending, key=lambda g: not any(s.response_length for s in g))  # stable: arrival order
+        resume, self._pending = order[:size], deque(order[size:])
         self._rounds += 1
         self._count("rounds")
         self._finished_at_last_request = self._step["finished"]

@@ -7,7 +7,7 @@ What reaches the sbatch script and the shell, and how it is quoted:
 
 - every ``#SBATCH`` value (job name, partition, account, qos, constraint, memory, log paths, ``sbatch_extra``)
   is written by submitit as ``#SBATCH --key=<shlex.quote(value)>``, and the srun command line quotes the python
-  path and the submitit folder: a run name or account with spaces, quotes, ``$(...)`` or ``;`` arrives literally;
+  path and the submitit folder: an output directory or account with spaces, quotes, ``$(...)`` or ``;`` arrives literally;
 - ``cluster.setup`` lines are shell lines by design (``module load ...``, ``source .../activate``) and are
   written verbatim: they come from the site's cluster YAML, which is trusted like a job script;
 - nothing else is interpolated into the script: the config and the run directory travel in submitit's pickle.

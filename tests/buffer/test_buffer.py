@@ -144,13 +144,14 @@ def test_extra_kept_groups_wait_for_the_next_batch():
     assert buf.num_kept == 2 and buf.request(4).new_prompts == 2
 
 
-def test_aborted_groups_keep_partial_work_and_are_resumed_first_in_order():
+def test_aborted_groups_keep_partial_work_and_are_resumed_first_partial_first():
     buf = RolloutBuffer(N)
     a, b = buf.new_groups(records(2))
     finish(a)
     a[2].status, a[3].status = Status.ABORTED, Status.ABORTED
     a[3].tokens, a[3].response_length, a[3].loss_mask = a[3].tokens[:-1], 1, [1]
-    assert buf.add_group(a) is Verdict.RECYCLED and buf.add_group(b) is Verdict.RECYCLED  # b never started
+    # b (never started) comes back first, a (with partial responses) is still handed out before it
+    assert buf.add_group(b) is Verdict.RECYCLED and buf.add_group(a) is Verdict.RECYCLED
     assert [s.status for s in a] == [Status.COMPLETED, Status.COMPLETED, Status.PENDING, Status.PENDING]
     assert (a[0].response_length, a[3].response_length, a[3].tokens[-1]) == (2, 1, 22)
     req = buf.request(1, 1)

@@ -98,7 +98,9 @@ def test_partial_rollout_recycles_aborted_groups_and_continues_them(tmp_path):
                    and s["status"] == "pending")  # never sent, or aborted before a token
 
         second = ray.get(manager.generate_batch.remote(), timeout=180)
-        assert len(second["samples"]) == 4 and second["metrics"]["rollout/aborts"] == 1
+        # the resumed round aborts once if groups are still generating when the batch fills; whether any are
+        # depends on timing (after a first batch that kept three groups CI saw none), so at most once
+        assert len(second["samples"]) == 4 and second["metrics"]["rollout/aborts"] <= 1, second["metrics"]
         held = ray.get(manager.state_dict.remote())["buffer"]
         everywhere = second["samples"] + [s for k in ("kept", "pending") for g in held[k] for s in g]
         resumed = {s["index"]: s for s in everywhere if s["index"] in partial}

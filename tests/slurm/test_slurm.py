@@ -160,25 +160,32 @@ def test_time_limit_signal_requeues_and_the_job_resumes(tmp_path):
 
 
 def test_values_with_shell_syntax_arrive_literally(tmp_path):
-    """Spaces, quotes, $(...) and ; in the run name (job name, log paths) and in partition/account strings."""
+    """Spaces, quotes, $(...) and ; in the output directory (log paths, run dir) and in account/qos strings.
+
+    run_name (the job name) is refused unless it is a plain directory name, so shell syntax cannot come that way."""
     nasty = 'q a"b $(touch HACKED) ; echo x'
-    dry = launch(*CLUSTER, f"run_name='{nasty}'", "cluster.account=\"o'brien $(touch HACKED); x\"",
+    refused = launch(*CLUSTER, f"run_name='{nasty}'", "dry_run=true", cwd=tmp_path)
+    assert refused.returncode == 2 and "[run_name]" in refused.stderr and "plain directory name" in refused.stderr
+
+    out = tmp_path / nasty
+    dry = launch(*CLUSTER, "run_name=quoted", f"output_dir='{out}'", "cluster.account=\"o'brien $(touch HACKED); x\"",
                  "cluster.qos='a b;c'", "dry_run=true", cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr
     lines = {ln.split("=", 1)[0]: ln.split("=", 1)[1] for ln in dry.stdout.splitlines() if ln.startswith("#SBATCH --")}
     assert shlex.split(lines["#SBATCH --account"]) == ["o'brien $(touch HACKED); x"]
     assert shlex.split(lines["#SBATCH --qos"]) == ["a b;c"]
-    assert shlex.split(lines["#SBATCH --job-name"]) == [nasty]
+    assert shlex.split(lines["#SBATCH --job-name"]) == ["quoted"]
+    assert shlex.split(lines["#SBATCH --output"])[0].startswith(str(out / "quoted"))
 
-    real = launch(*CLUSTER, "cluster.job_body=tests.slurm.bodies.metrics", "num_steps=1", f"run_name='{nasty}'",
-                  f"output_dir={tmp_path}/out", cwd=tmp_path)
+    real = launch(*CLUSTER, "cluster.job_body=tests.slurm.bodies.metrics", "num_steps=1", "run_name=quoted",
+                  f"output_dir='{out}'", cwd=tmp_path)
     assert real.returncode == 0, real.stderr
-    run_dir = tmp_path / "out" / nasty
+    run_dir = out / "quoted"
     job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
-    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=10).stdout
-    assert f"JobName={nasty}" in shown
     wait_until(lambda: state_of(run_dir).state == "COMPLETED", 90, "the job to complete", poll_s=1)
     assert (run_dir / "metrics.jsonl").exists()  # the body ran in the literal directory
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=10).stdout
+    assert f"StdOut={run_dir}" in shown
     assert not list(tmp_path.rglob("HACKED")) and not (PROJECT_ROOT / "HACKED").exists()
 
 
