@@ -740,7 +740,10 @@ def test_gpu_tp2_pp2_and_cp2_equal_dp2(checkpoints):
 
 
 def _speed_paths(rank, world, path, compiled, bf16, tp=1, pp=1):
-    """Three steps and the logprobs of one tiny model, optionally compiled and/or on the bf16 compute copy."""
+    """Three steps and the logprobs of one tiny model, optionally compiled and/or on the bf16 compute copy; with
+    the parameter dtypes and torch.compile's graph breaks ({reason: count})."""
+    from torch._dynamo.utils import counters
+
     import slime_hydra.train.megatron.backend as module
 
     if bf16:  # CPU runs in fp32; take the GPU's bf16 path (ComputeCopy instead of autocast) here
@@ -751,13 +754,14 @@ def _speed_paths(rank, world, path, compiled, bf16, tp=1, pp=1):
     logp, entropy = backend.logprobs(batch, with_entropy=True)
     steps = _three_steps(backend, batch)
     dtypes = {p.dtype for p in backend.model.parameters()}
-    return steps, logp, entropy, dtypes
+    return steps, logp, entropy, dtypes, dict(counters["graph_break"])
 
 
 def test_compiled_layers_and_head_give_the_eager_loss_grad_norm_and_logprobs(checkpoints):
     path = checkpoints[TRAIN_FAMILY]
-    eager_steps, eager_logp, eager_entropy, _ = run_ranks(1, _speed_paths, path, False, False)[0]
-    steps, logp, entropy, _ = run_ranks(1, _speed_paths, path, True, False)[0]  # CPU inductor compiles
+    eager_steps, eager_logp, eager_entropy, _, _ = run_ranks(1, _speed_paths, path, False, False)[0]
+    steps, logp, entropy, _, breaks = run_ranks(1, _speed_paths, path, True, False)[0]  # CPU inductor compiles
+    assert breaks == {}  # each compiled layer (and the head) is one graph
     for (loss, norm), (ref_loss, ref_norm) in zip(steps, eager_steps):  # fp32, fused kernels' summation order
         assert abs(loss - ref_loss) < 1e-4 * max(1, abs(ref_loss)) and abs(norm - ref_norm) < 1e-4 * max(1, ref_norm)
     torch.testing.assert_close(logp, eager_logp, atol=1e-5, rtol=0)
@@ -769,8 +773,8 @@ def test_bf16_compute_copy_keeps_fp32_masters_and_tracks_fp32(checkpoints, tp, p
     """The GPU's bf16 path (bf16 copies of each rank's shards, fp32 gradient accumulation into the masters):
     loss and grad norm within bf16 tolerance of fp32, at TP1, TP2 and PP2; the parameters stay fp32."""
     path = checkpoints[TRAIN_FAMILY]
-    ref_steps, ref_logp, _, _ = run_ranks(1, _speed_paths, path, False, False)[0]
-    for steps, logp, _, dtypes in run_ranks(tp * pp, _speed_paths, path, False, True, tp, pp):
+    ref_steps, ref_logp, _, _, _ = run_ranks(1, _speed_paths, path, False, False)[0]
+    for steps, logp, _, dtypes, _ in run_ranks(tp * pp, _speed_paths, path, False, True, tp, pp):
         assert dtypes == {torch.float32}
         for (loss, norm), (ref_loss, ref_norm) in zip(steps[:1], ref_steps[:1]):
             assert abs(loss - ref_loss) < 0.02 * max(1, abs(ref_loss)) and abs(norm - ref_norm) < 0.02 * ref_norm

@@ -1,12 +1,14 @@
-"""The transformer layer spec, and the two modules that let megatron-core run without TransformerEngine or apex.
+"""The transformer layer spec, and the modules that let megatron-core run without TransformerEngine or apex.
 
 Which spec:
 - TransformerEngine importable and a GPU present: megatron's TE layer spec (fused layernorm-linear, TE attention).
   Not exercised here (no machine we test on has TE); convert.py maps TE's fused-norm parameter names.
 - otherwise megatron's local spec with ``SDPACoreAttention`` in place of DotProductAttention (whose score buffer
   and default causal mask are allocated on CUDA, and which materialises the [b, np, s, s] scores: on a GPU the
-  SDPA spec trained ~1.7x faster, see shared/notes/ENVIRONMENT.md). With cp > 1 it gathers K/V over the CP group
-  (context_parallel.py: megatron's local attention asserts cp=1, its CP lives in TransformerEngine's).
+  SDPA spec trained ~1.7x faster, see shared/notes/ENVIRONMENT.md), and ``RowParallelLinear`` (attention output
+  and MLP down projections) passing its TP group, so torch.compile takes a whole layer as one graph. With cp > 1
+  attention gathers K/V over the CP group (context_parallel.py: megatron's local attention asserts cp=1, its CP
+  lives in TransformerEngine's).
 - GLM-4 adds norms on the attention and MLP outputs before each residual add. The layer applies
   ``bda(training, fused)(sublayer_out_with_bias, residual, dropout_p)`` exactly there, so a bias-dropout-add
   module that norms first (``PostNormBiasDropoutAdd``) expresses them in the spec, for the local and TE specs
@@ -99,6 +101,19 @@ def _causal(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)
 
 
+class RowParallelLinear(tensor_parallel.RowParallelLinear):
+    """megatron's RowParallelLinear, passing its own TP group to the matmul.
+
+    megatron-core 0.16.1's forward calls the matmul with ``tp_group=None``, which looks the default group up and
+    warns (``warnings.warn``) on every call; under torch.compile each warning is a graph break (a compiled layer
+    fell into 9 graphs, two per row-parallel linear). Same computation, same parameters."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if kwargs.get("tp_group", self.tp_group) is None:
+            kwargs["tp_group"] = self.tp_group
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
 class HFRotaryEmbedding(RotaryEmbedding):
     """Megatron's RoPE with transformers' inverse frequencies, kept on the model's device.
 
@@ -159,6 +174,8 @@ def layer_spec(arch, config, use_te: bool) -> ModuleSpec:
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        spec.submodules.self_attention.submodules.linear_proj = RowParallelLinear
+        spec.submodules.mlp.submodules.linear_fc2 = RowParallelLinear
     # (both functions build a fresh spec on every call: editing it in place is safe)
     spec.submodules.mlp.params = {**spec.submodules.mlp.params, "ffn_hidden_size": config.ffn_hidden_size}
     if arch.sandwich_norm:
