@@ -46,7 +46,7 @@ from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.offload import Offloadable
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
-from slime_hydra.train.reference import host_copy, swapped_in
+from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.optim import build_optimizer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -234,7 +234,7 @@ class FSDPBackend(Offloadable):
         self.step = meta["step"]
         local = torch.load(ckpt_dir / f"rank{dist.get_rank()}.pt", weights_only=False)
         set_rng_state(local["rng"])
-        self._ref_shards = local["ref"]
+        self._ref_shards = pinned(local["ref"])
 
     # ---- reference swap ---------------------------------------------------------------------------------------
     def _local_shards(self) -> dict[str, torch.Tensor]:

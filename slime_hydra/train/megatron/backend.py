@@ -85,7 +85,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss_units, micro_batches,
                                      predicting_positions, response_logprobs, response_values)
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.reference import host_copy, swapped_in
+from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.fsdp import rng_state, set_rng_state
 from slime_hydra.train.megatron.context_parallel import gather_sequence, local_positions, padded_length, split_sequence
 from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_hf_weights, stage_parameters, stage_table
@@ -533,7 +533,7 @@ class MegatronBackend(Offloadable):
             for name, tensor in shards["model"].items():
                 live[name].copy_(tensor)
         self.optimizer.load_state_dict(shards["optim"])
-        self._ref_shards = shards["ref"]
+        self._ref_shards = pinned(shards["ref"])
         self.scheduler.load_state_dict(meta["scheduler"])
         self.step = meta["step"]
         local = torch.load(ckpt_dir / f"rank{dist.get_rank()}.pt", weights_only=False)
