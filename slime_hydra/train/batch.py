@@ -45,8 +45,19 @@ class TrainBatch:
                           self.response_start[idx], self.loss_mask[idx, :sub_resp], extras)
 
     def to(self, device: torch.device | str) -> "TrainBatch":
-        return TrainBatch(self.input_ids.to(device), self.attention_mask.to(device), self.response_start.to(device),
-                          self.loss_mask.to(device), {k: v.to(device) for k, v in self.extras.items()})
+        """This batch on ``device``; host-to-GPU copies are queued without waiting for the GPU (see to_device)."""
+        return TrainBatch(to_device(self.input_ids, device), to_device(self.attention_mask, device),
+                          to_device(self.response_start, device), to_device(self.loss_mask, device),
+                          {k: to_device(v, device) for k, v in self.extras.items()})
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` on ``device``. A host tensor bound for a GPU goes through pinned memory (torch's caching host
+    allocator) as a non-blocking copy: a plain ``.to("cuda")`` from pageable memory synchronizes the stream, so a
+    micro-batch loop would wait for the GPU to drain before queueing each micro-batch's kernels."""
+    if torch.device(device).type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def collate(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], loss_masks: Sequence[Sequence[int]],

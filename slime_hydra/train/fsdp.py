@@ -42,7 +42,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss_units, micro_batches,
-                                     response_logprobs, response_values)
+                                     response_logprobs, response_values, to_device)
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.offload import Offloadable
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
@@ -123,17 +123,19 @@ class FSDPBackend(Offloadable):
         with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext(), \
                 self._computing():
             self.model.eval()
-            logp = torch.zeros(batch.loss_mask.shape)
-            ent = torch.zeros(batch.loss_mask.shape) if with_entropy else None
+            # filled on the device and copied once: no device sync inside the micro-batch loop
+            logp = torch.zeros(batch.loss_mask.shape, device=self.device)
+            ent = torch.zeros(batch.loss_mask.shape, device=self.device) if with_entropy else None
             for idx in micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu):
                 mb = batch.select(idx)
+                rows = to_device(torch.tensor(idx), self.device)
                 lp, en = self._forward(mb.to(self.device), first_predicting_position(mb), temperature, with_entropy)
-                logp[idx, : lp.shape[1]] = lp.float().cpu()
+                logp[rows, : lp.shape[1]] = lp.float()
                 if with_entropy:
-                    ent[idx, : en.shape[1]] = en.float().cpu()
+                    ent[rows, : en.shape[1]] = en.float()
             if self.fsdp:
                 self.model.reshard()  # FSDP2 keeps the root's parameters unsharded after a forward without backward
-        return logp, ent
+        return logp.cpu(), (ent.cpu() if with_entropy else None)
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Critic only: [B, T] values of the states before each response token."""

@@ -83,7 +83,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss_units, micro_batches,
-                                     predicting_positions, response_logprobs, response_values)
+                                     predicting_positions, response_logprobs, response_values, to_device)
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.fsdp import rng_state, set_rng_state
@@ -345,21 +345,23 @@ class MegatronBackend(Offloadable):
         if policy == "ref" and self._ref_shards is None:
             raise ValueError("no reference policy kept: construct with keep_reference=True")
         with_entropy = with_entropy and self.head == "lm"
-        logp = torch.zeros(batch.loss_mask.shape)
-        ent = torch.zeros(batch.loss_mask.shape) if with_entropy else None
+        # filled on the device and copied once: no device sync inside the micro-batch loop
+        logp = torch.zeros(batch.loss_mask.shape, device=self.device)
+        ent = torch.zeros(batch.loss_mask.shape, device=self.device) if with_entropy else None
         groups = self._micro_batches(batch)
 
         def collect(k, mb, out):
             lp, en = self._head(out, mb, temperature, with_entropy)
-            logp[groups[k], : lp.shape[1]] = lp.float().cpu()
+            rows = to_device(torch.tensor(groups[k]), self.device)
+            logp[rows, : lp.shape[1]] = lp.float()
             if with_entropy:
-                ent[groups[k], : en.shape[1]] = en.float().cpu()
+                ent[rows, : en.shape[1]] = en.float()
 
         with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext(), \
                 self._computing():
             self.model.eval()
             self._pipeline([batch.select(idx) for idx in groups], collect, backward=False)
-        return self._from_last_stage(logp), (self._from_last_stage(ent) if with_entropy else None)
+        return self._from_last_stage(logp.cpu()), (self._from_last_stage(ent.cpu()) if with_entropy else None)
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Critic only: [B, T] values of the states before each response token."""
