@@ -1,11 +1,12 @@
 """Over-sampling with a dynamic filter, for real (Ray, sglang-router, two embedded CPU engines, the tiny model).
 
 A batch of 2 prompts over-samples 6. One group in flight per engine pair (max_concurrency_per_engine=1, 2 samples
-a group) and a reward that takes 0.3 s: group 1 is rejected by the filter, and once two groups are kept the
-groups still generating are aborted with partial tokens (a sample that reaches EOS first stays completed) while
-those not started never are. Which groups finish first depends on the machine's load, so the checks hold for
-any order. With ``rollout.partial_rollout=true`` the next batch resumes them first and
-group 3 continues its partial responses; with false they are dropped. Either way no request is left on an engine.
+a group) and a reward that takes 0.3 s: group 1 is rejected by the filter (if it finishes before the abort), and
+once two groups are kept the groups still generating are aborted with partial tokens (a sample that reaches EOS
+first stays completed) while those not started never are. Which groups finish first depends on the machine's load,
+so the checks hold for any order. With ``rollout.partial_rollout=true`` the next batch resumes the recycled groups
+first (those with partial responses before the others) and continues their partial responses; with false they are
+dropped. Either way no request is left on an engine.
 """
 
 import asyncio
@@ -64,17 +65,18 @@ def _first_batch(manager, urls) -> dict:
     """The first batch, checked the same way for both settings; returns its metrics.
 
     Which groups finish first depends on the machine's load (CI saw group 3 finish before group 2), so this checks
-    what holds in any order: two kept groups of two samples, never the filtered group 1, every one of the six
-    over-sampled groups accounted for, one abort, nothing left on the engines."""
+    what holds in any order: two kept groups of two samples, never group 1 (filtered, or cut off by the abort),
+    every one of the six over-sampled groups accounted for, one abort, nothing left on the engines."""
     batch = ray.get(manager.generate_batch.remote(), timeout=180)
     m = batch["metrics"]
     groups = _groups(batch["samples"])
     assert len(groups) == 2 and 1 not in groups and all(len(g) == 2 for g in groups.values())
     assert all(s["status"] in ("completed", "truncated") for s in batch["samples"])
     assert m["rollout/buffer/kept"] >= 2 and m.get("rollout/buffer/topped_up", 0) == 0
-    assert m["rollout/buffer/filtered/group_1"] == 1
+    # group 1 finished and was filtered, or was still generating at the abort (CI saw both)
+    filtered = m.get("rollout/buffer/filtered/group_1", 0)
     unfinished = m.get("rollout/buffer/recycled", 0) + m.get("rollout/buffer/aborted_discarded", 0)
-    assert m["rollout/buffer/kept"] + 1 + unfinished == 6
+    assert filtered in (0, 1) and m["rollout/buffer/kept"] + filtered + unfinished == 6
     assert m["rollout/aborts"] == 1
     assert asyncio.run(_requests_in_flight(urls)) == [0, 0]
     return m
@@ -97,16 +99,25 @@ def test_partial_rollout_recycles_aborted_groups_and_continues_them(tmp_path):
                    for g in pending.values() for s in g if s["index"] not in partial
                    and s["status"] == "pending")  # never sent, or aborted before a token
 
-        second = ray.get(manager.generate_batch.remote(), timeout=180)
-        # the resumed round aborts once if groups are still generating when the batch fills; whether any are
-        # depends on timing (after a first batch that kept three groups CI saw none), so at most once
-        assert len(second["samples"]) == 4 and second["metrics"]["rollout/aborts"] <= 1, second["metrics"]
-        held = ray.get(manager.state_dict.remote())["buffer"]
-        everywhere = second["samples"] + [s for k in ("kept", "pending") for g in held[k] for s in g]
-        resumed = {s["index"]: s for s in everywhere if s["index"] in partial}
-        assert sorted(resumed) == sorted(partial)  # resumed in round 1 of the next batch, never lost
-        assert sum(s["response_length"] for s in resumed.values()) > sum(s["response_length"] for s in partial.values())
-        for index, s in resumed.items():  # continued, not restarted: the partial tokens and logprobs are a prefix
+        # Later batches resume the recycled groups first. Every partial sample is then trained in a batch, still
+        # held (kept or pending), or, in group 1, finished and filtered. Whether a round gets to extend a partial
+        # response before the batch fills and it is aborted again depends on the load (CI saw both), so batches
+        # run until one has: at most 4.
+        seen, filtered_group_1, grew = {}, m.get("rollout/buffer/filtered/group_1", 0), False
+        for _ in range(4):
+            later = ray.get(manager.generate_batch.remote(), timeout=300)
+            assert len(later["samples"]) == 4 and later["metrics"]["rollout/aborts"] <= 1, later["metrics"]
+            filtered_group_1 += later["metrics"].get("rollout/buffer/filtered/group_1", 0)
+            held = ray.get(manager.state_dict.remote())["buffer"]
+            everywhere = later["samples"] + [s for k in ("kept", "pending") for g in held[k] for s in g]
+            seen.update({s["index"]: s for s in everywhere if s["index"] in partial})
+            assert all(i in seen or partial[i]["group_index"] == 1 and filtered_group_1 for i in partial)  # never lost
+            grew = filtered_group_1 > 0 and any(s["group_index"] == 1 for s in partial.values()) or any(
+                seen[i]["response_length"] > partial[i]["response_length"] for i in seen)
+            if grew:
+                break
+        assert grew
+        for index, s in seen.items():  # continued, not restarted: the partial tokens and logprobs are a prefix
             before = partial[index]
             assert s["tokens"][:len(before["tokens"])] == before["tokens"]
             assert s["rollout_log_probs"][:before["response_length"]] == before["rollout_log_probs"]
