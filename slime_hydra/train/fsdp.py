@@ -44,8 +44,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss_units, micro_batches,
                                      response_logprobs, response_values, to_device)
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.offload import Offloadable
-from slime_hydra.train.precision import ComputeCopy, compute_dtype
+from slime_hydra.train.precision import ComputeCopy, ComputeCopyBackend, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.optim import build_optimizer
 
@@ -53,7 +52,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.T
 """loss_fn(logp [B,T], entropy [B,T] or None, micro_batch) -> (mean loss over the micro-batch's units, metrics)."""
 
 
-class FSDPBackend(Offloadable):
+class FSDPBackend(ComputeCopyBackend):
     def __init__(self, model_path: str | Path, train: TrainConfig, total_steps: int, loss_agg: str = "token_mean",
                  keep_reference: bool = False, device: str | None = None, role: str = "actor",
                  fsdp: bool | None = None):
@@ -180,15 +179,6 @@ class FSDPBackend(Offloadable):
         out = dict(zip(sums, reduced.tolist()))
         out.update(grad_norm=float(grad_norm), lr=lr)
         return out
-
-    def _computing(self):
-        """The block's forward/backward run on the low-precision copies (one rank without FSDP; else nothing)."""
-        return self._compute.swapped_in() if self._compute is not None else nullcontext()
-
-    def offload(self) -> float:
-        if self._compute is not None:
-            self._compute.copies = None  # rebuilt from the masters at the next forward
-        return super().offload()
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

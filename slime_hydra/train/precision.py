@@ -6,11 +6,12 @@ add of their gradients into the masters' fp32 ``.grad`` after each backward. Use
 train=megatron (each rank's own shards, any TP/PP/CP).
 """
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from slime_hydra.train.config import TrainConfig
+from slime_hydra.train.offload import Offloadable
 
 
 def compute_dtype(train: TrainConfig, device: torch.device) -> torch.dtype:
@@ -63,3 +64,20 @@ class ComputeCopy:
             torch._foreach_add_([m.grad for m, _ in pairs], [g for _, g in pairs])
         for c in self.copies:
             c.grad = None
+
+
+class ComputeCopyBackend(Offloadable):
+    """What both backends do with an optional ComputeCopy (``self._compute``, None when compute runs on the
+    masters): ``_computing()`` around each forward/backward block, and ``offload`` dropping the copies (rebuilt
+    from the masters at the next forward)."""
+
+    _compute: ComputeCopy | None = None
+
+    def _computing(self):
+        """The block's forward/backward run on the low-precision copies (else directly on the masters)."""
+        return self._compute.swapped_in() if self._compute is not None else nullcontext()
+
+    def offload(self) -> float:
+        if self._compute is not None:
+            self._compute.copies = None
+        return super().offload()

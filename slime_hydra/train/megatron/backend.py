@@ -92,8 +92,7 @@ from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from slime_hydra.train.offload import Offloadable
-from slime_hydra.train.precision import ComputeCopy, compute_dtype
+from slime_hydra.train.precision import ComputeCopy, ComputeCopyBackend, compute_dtype
 from slime_hydra.train.optim import build_optimizer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -102,7 +101,7 @@ BUCKET_ELEMENTS = 64 * 1024 * 1024
 """Gradient elements per DP all-reduce (256 MiB of fp32)."""
 
 
-class MegatronBackend(Offloadable):
+class MegatronBackend(ComputeCopyBackend):
     def __init__(self, model_path: str | Path, train: TrainConfig, total_steps: int, loss_agg: str = "token_mean",
                  keep_reference: bool = False, device: str | None = None, role: str = "actor"):
         from megatron.core import parallel_state
@@ -410,15 +409,6 @@ class MegatronBackend(Offloadable):
         out = dict(zip(sums, reduced.tolist()))
         out.update(grad_norm=grad_norm, lr=lr)
         return out
-
-    def _computing(self):
-        """The block's forward/backward run on the bf16 compute copies (GPU with bf16; else nothing)."""
-        return self._compute.swapped_in() if self._compute is not None else nullcontext()
-
-    def offload(self) -> float:
-        if self._compute is not None:
-            self._compute.copies = None  # rebuilt from the masters at the next forward
-        return super().offload()
 
     def _reduce_gradients(self) -> None:
         from megatron.core import parallel_state
