@@ -26,10 +26,15 @@ common=(model=qwen2_5_0_5b model.path=$ckpt cluster.gpus_per_node=$([ "$mode" = 
         rollout.batch_prompts=32 rollout.n_samples_per_prompt=8 rollout.max_response_tokens=128
         rollout.temperature=1.0 rollout.eval_every_steps=0 output_dir=$out run_name=run tracking.progress=false)
 if [ "$mode" = colocated ]; then
-  python3 launch.py "${common[@]}" cluster.colocate=true rollout.num_gpus=null train.weight_sync=tensor
+  args=(cluster.colocate=true rollout.num_gpus=null train.weight_sync=tensor)
 else
-  python3 launch.py "${common[@]}" rollout.num_gpus=1 train.weight_sync=distributed
+  args=(rollout.num_gpus=1 train.weight_sync=distributed)
 fi
+python3 launch.py "${common[@]}" "${args[@]}" || {
+  status=$?  # what the engines and the router said (their logs stay on the machine)
+  grep -H -i -A12 "error\|traceback" "$out"/run/logs/engine_*.log "$out"/run/logs/router.log | tail -80
+  exit $status
+}
 python3 - "$out/run/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "perf/step_time" in l]

@@ -2,7 +2,7 @@
 """Training-step throughput of a backend: random-init model (shape from conf/model/<name>.yaml), bf16 compute, a
 policy-gradient loss over the response tokens, global batch of --samples x --seq-tokens tokens per optimizer step.
 
-    PYTHONPATH=. python3 scripts/bench_train.py --backend megatron --steps 10              # 1 GPU
+    PYTHONPATH=. python3 scripts/bench_train.py --backend megatron,fsdp,hf --steps 20      # 1 GPU, interleaved
     PYTHONPATH=. python3 scripts/bench_train.py --backend fsdp --steps 10
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_train.py --backend megatron --steps 10   # TP=2
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_train.py --backend fsdp --steps 10       # DP=2
@@ -10,11 +10,18 @@ policy-gradient loss over the response tokens, global batch of --samples x --seq
 
 Every sample is --seq-tokens long: --prompt-tokens of prompt, the rest response (loss on every response token).
 Tokens/s counts all tokens of the global batch (prompt + response) per optimizer step, averaged over the steps
-after --warmup; peak memory is torch.cuda.max_memory_allocated, the maximum over ranks. Megatron runs TP over all
-ranks (--tp, default: all); FSDP runs DP over all ranks (each gets samples/world rows).
+after --warmup; peak memory is torch.cuda.max_memory_allocated, the maximum over ranks (one backend per run only).
+Megatron runs TP over all ranks (--tp, default: all); FSDP runs DP over all ranks (each gets samples/world rows).
+
+Several backends (comma-separated) live in one process and take turns, one step each per round (the order rotates
+every round), and the figures include each one's time relative to the first: the GPU machines' speed drifts by the
+minute (the same kernels take 65 to 170 ms a step; docs/benchmarks.md), so only steps taken side by side compare.
+``hf`` is the reference the targets name: plain transformers training (fp32 weights under bf16 autocast, full
+logits, log_softmax, fused AdamW), one rank.
 """
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -27,7 +34,7 @@ import yaml
 
 from slime_hydra.model.config import ModelConfig
 from slime_hydra.model.hf import build_random_checkpoint
-from slime_hydra.train.batch import collate
+from slime_hydra.train.batch import collate, predicting_positions
 from slime_hydra.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,12 +68,134 @@ def init_process_group() -> tuple[int, int]:
     return rank, world
 
 
+def busy_time(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (kernels of several streams may overlap)."""
+    busy, end = 0.0, float("-inf")
+    for lo, hi in sorted(spans):
+        busy += max(hi - max(lo, end), 0)
+        end = max(end, hi)
+    return busy
+
+
+def profile_step(name: str, backend, batch, rows: int, kernels: str | None, trace: str | None, rank: int) -> None:
+    """Profile one step; rank 0 prints the ``rows`` costliest ops by GPU time and by host time, the GPU busy time
+    (union of kernel intervals: far below the wall time = host-bound) and writes the op table / trace if asked."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        start = time.perf_counter()
+        backend.train_step(batch, pg_loss)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    if rank != 0:
+        return
+    print(f"== {name}")
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows,
+                       max_name_column_width=60))
+    if cuda:
+        print(events.table(sort_by="cpu_time_total", row_limit=rows, max_name_column_width=60))
+        spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+        print(f"profiled step: {wall * 1e3:.1f} ms wall (with the profiler), GPU busy {busy_time(spans) / 1e3:.1f} ms, "
+              f"{len(spans)} kernels and copies")
+    if kernels:
+        Path(kernels).write_text(json.dumps(
+            [{"name": e.key, "count": e.count, "cuda_us": getattr(e, "self_device_time_total", 0.0),
+              "cpu_us": e.self_cpu_time_total} for e in events]))
+    if trace:
+        prof.export_chrome_trace(trace)
+
+
+def timeline(backend, batch, steps: int, rank: int) -> None:
+    """Profile ``steps`` train steps; print each one's wall time, GPU busy time and its three longest GPU-idle
+    gaps, each with the innermost host op that was running at the gap's middle (what the GPU waited for)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for k in range(steps):
+            with record_function(f"bench_step_{k}"):
+                backend.train_step(batch, pg_loss)
+                if cuda:
+                    torch.cuda.synchronize()
+    if rank != 0:
+        return
+    events = prof.events()
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    for k in range(steps):
+        step = next(e for e in host if e.name == f"bench_step_{k}")
+        lo, hi = step.time_range.start, step.time_range.end
+        mine = [(a, b) for a, b in gpu if lo <= a < hi]
+        gaps, end = [], lo
+        for a, b in mine:
+            if a > end:
+                gaps.append((a - end, end))
+            end = max(end, b)
+        gaps.append((hi - end, end))
+        parts = []
+        for length, start in sorted(gaps, reverse=True)[:3]:
+            middle = start + length / 2
+            running = [e for e in host if e.thread == step.thread and e.time_range.start <= middle < e.time_range.end
+                       and e is not step]
+            inner = min(running, key=lambda e: e.time_range.end - e.time_range.start).name if running else "-"
+            parts.append(f"{length / 1e3:.1f} ms in {inner[:50]}")
+        print(f"timeline step {k}: wall {(hi - lo) / 1e3:.1f} ms, GPU busy {busy_time(mine) / 1e3:.1f} ms, "
+              f"{len(mine)} kernels; longest idle: " + "; ".join(parts))
+
+
+class PlainHF:
+    """The baseline: a transformers model trained the plain way (fp32 parameters, torch.autocast bf16, the full
+    [B, L, V] logits through log_softmax, fused AdamW). One rank."""
+
+    def __init__(self, path: Path, train: TrainConfig):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        self.model.to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, fused=self.device.type == "cuda")
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=train.dtype == "bf16")
+
+    def train_step(self, batch, loss_fn) -> dict:
+        mb = batch.to(self.device)
+        length = mb.input_ids.shape[1]
+        with self.autocast:
+            logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        per_token = torch.log_softmax(logits.float(), dim=-1)[:, :-1].gather(2, mb.input_ids[:, 1:, None])[..., 0]
+        pos, valid = predicting_positions(mb, length)  # [B, L - 1] -> the response columns [B, T]
+        logp = torch.gather(per_token, 1, pos.clamp(max=length - 2)) * valid
+        loss, metrics = loss_fn(logp, None, mb)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**metrics, "grad_norm": float(grad_norm)}
+
+
+def build(name: str, path: Path, train: TrainConfig, total: int):
+    if name == "megatron":
+        from slime_hydra.train.megatron.backend import MegatronBackend
+
+        return MegatronBackend(path, train, total_steps=total)
+    if name == "fsdp":
+        from slime_hydra.train.fsdp import FSDPBackend
+
+        return FSDPBackend(path, train, total_steps=total)
+    return PlainHF(path, train)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("megatron", "fsdp"), required=True)
+    parser.add_argument("--backend", required=True,
+                        help="megatron, fsdp or hf, or several comma-separated (one process, taking turns)")
     parser.add_argument("--model", default="qwen2_5_0_5b", help="conf/model/<name>.yaml (shape only)")
     parser.add_argument("--checkpoint-dir", default=None, help="random checkpoint cache (default /tmp/bench_<model>)")
-    parser.add_argument("--steps", type=int, default=10, help="measured optimizer steps")
+    parser.add_argument("--steps", type=int, default=10, help="measured optimizer steps (per backend)")
     parser.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
     parser.add_argument("--samples", type=int, default=8, help="samples per optimizer step (global batch)")
     parser.add_argument("--seq-tokens", type=int, default=1024, help="tokens per sample")
@@ -76,12 +205,23 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="train.compile, both backends (auto: on with CUDA); the warmup steps pay the compile")
+    parser.add_argument("--cuda-graphs", action="store_true", help="train.cuda_graphs (compiled layers as CUDA graphs)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the measured steps, profile one more step and print the N costliest ops (rank 0)")
     parser.add_argument("--trace", default=None, help="with --profile: write the profiled step's Chrome trace here")
+    parser.add_argument("--kernels", default=None,
+                        help="with --profile: write every op's count and self CUDA / CPU time (us) here, as JSON")
+    parser.add_argument("--timeline", type=int, default=0, metavar="N",
+                        help="after the measured steps, profile N more steps: per step the wall time, the GPU busy "
+                             "time and the longest GPU-idle gaps with the host op running in each (rank 0)")
     args = parser.parse_args()
+    names = args.backend.split(",")
+    if any(n not in ("megatron", "fsdp", "hf") for n in names) or len(set(names)) < len(names):
+        parser.error(f"--backend takes megatron, fsdp and hf, each at most once; got {args.backend!r}")
 
     rank, world = init_process_group()
+    if "hf" in names and world > 1:
+        parser.error("--backend hf (the plain transformers baseline) runs on one rank")
     cuda = torch.cuda.is_available()
     model = model_config(args.model)
     path = Path(args.checkpoint_dir or f"/tmp/bench_{args.model}")
@@ -89,82 +229,81 @@ def main() -> None:
         build_random_checkpoint(model, path, seed=0, dtype=torch.bfloat16 if cuda else torch.float32)
     dist.barrier()
 
-    tp = (args.tp or world) if args.backend == "megatron" else 1
-    dp = world // tp
-    rows = args.samples // dp
-    train = TrainConfig(backend=args.backend, num_gpus=world, tp=tp, micro_batch_samples=args.micro_batch or rows,
-                        lr=1e-6, dtype="bf16" if cuda else "fp32", gradient_checkpointing=args.gradient_checkpointing,
-                        compile={"auto": None, "on": True, "off": False}[args.compile])
-    total = args.warmup + args.steps
-    if args.backend == "megatron":
-        from slime_hydra.train.megatron.backend import MegatronBackend as Backend
-    else:
-        from slime_hydra.train.fsdp import FSDPBackend as Backend
-    backend = Backend(path, train, total_steps=total)
-
     g = torch.Generator().manual_seed(0)
     response = args.seq_tokens - args.prompt_tokens
     tokens = torch.randint(0, model.vocab_size, (args.samples, args.seq_tokens), generator=g).tolist()
     advantages = (torch.randint(0, 2, (args.samples,), generator=g) * 2 - 1).float().tolist()
     batch = collate(tokens, [response] * args.samples, [[1] * response] * args.samples, pad_id=0,
                     extras={"advantages": [[a] * response for a in advantages]})
-    dp_rank = getattr(backend, "dp_rank", rank)
-    mine = batch.select(list(range(dp_rank, args.samples, dp)))
 
-    times = []
+    total = args.warmup + args.steps
+    backends, shares, layouts = {}, {}, {}
+    for name in names:
+        tp = (args.tp or world) if name == "megatron" else 1
+        dp = world // tp
+        train = TrainConfig(backend="megatron" if name == "megatron" else "fsdp", num_gpus=world, tp=tp,
+                            micro_batch_samples=args.micro_batch or args.samples // dp, lr=1e-6,
+                            dtype="bf16" if cuda else "fp32", gradient_checkpointing=args.gradient_checkpointing,
+                            compile={"auto": None, "on": True, "off": False}[args.compile],
+                            cuda_graphs=args.cuda_graphs)
+        backends[name] = build(name, path, train, total)
+        dp_rank = getattr(backends[name], "dp_rank", rank)
+        shares[name] = batch.select(list(range(dp_rank, args.samples, dp)))
+        layouts[name] = (f"world={world} tp={tp} dp={dp} micro_batch={train.micro_batch_samples} "
+                         f"compile={getattr(backends[name], 'compiled', False)} cuda_graphs={args.cuda_graphs}")
+
+    times: dict[str, list[float]] = {name: [] for name in names}
+    metrics: dict[str, dict] = {}
     for step in range(total):
-        if cuda:
-            torch.cuda.synchronize()
-            if step == args.warmup:
-                torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        metrics = backend.train_step(mine, pg_loss)
-        if cuda:
-            torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities) as prof:
-            start = time.perf_counter()
-            backend.train_step(mine, pg_loss)
+        turn = step % len(names)
+        for name in names[turn:] + names[:turn]:  # the order rotates: no backend always follows the same one
             if cuda:
                 torch.cuda.synchronize()
-            wall = time.perf_counter() - start
-        if rank == 0:
-            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-            events = prof.key_averages()
-            print(events.table(sort_by=key, row_limit=args.profile, max_name_column_width=60))
-            if cuda:  # GPU busy far below the wall time = host-bound
-                spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                               if e.device_type == torch.autograd.DeviceType.CUDA)
-                busy, end = 0.0, float("-inf")
-                for lo, hi in spans:  # the union of kernel intervals (streams may overlap)
-                    busy += max(hi - max(lo, end), 0)
-                    end = max(end, hi)
-                print(f"profiled step: {wall * 1e3:.1f} ms wall (with the profiler), GPU busy {busy / 1e3:.1f} ms, "
-                      f"{len(spans)} kernels and copies")
-            if args.trace:
-                prof.export_chrome_trace(args.trace)
+                if step == args.warmup:
+                    torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            metrics[name] = backends[name].train_step(shares[name], pg_loss)
+            if cuda:
+                torch.cuda.synchronize()
+            if step >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    for name in names:
+        if args.profile:
+            kernels = args.kernels and (args.kernels if len(names) == 1 else
+                                        str(Path(args.kernels).with_stem(f"{Path(args.kernels).stem}_{name}")))
+            trace = args.trace and (args.trace if len(names) == 1 else
+                                    str(Path(args.trace).with_stem(f"{Path(args.trace).stem}_{name}")))
+            profile_step(name, backends[name], shares[name], args.profile, kernels, trace, rank)
+        if args.timeline:
+            print(f"== {name}")
+            timeline(backends[name], shares[name], args.timeline, rank)
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                         device="cuda" if cuda else "cpu")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        step_s = statistics.mean(times)
         step_tokens = args.samples * args.seq_tokens
         device = torch.cuda.get_device_name() if cuda else "cpu"
-        compiled = getattr(backend, "compiled", False)
-        print(f"backend={args.backend} model={args.model} device={device} world={world} tp={tp} dp={dp} "
-              f"micro_batch={train.micro_batch_samples} tokens/step={step_tokens} dtype={train.dtype} "
-              f"compile={compiled} torch={torch.__version__}")
-        print(f"step {step_s * 1000:.1f} ms (median {statistics.median(times) * 1000:.1f}, min {min(times) * 1000:.1f}, "
-              f"over {len(times)} steps after "
-              f"{args.warmup} warmup) | {step_tokens / step_s:,.0f} tokens/s "
-              f"({step_tokens / step_s / world:,.0f} per GPU) | peak memory {peak.item():.2f} GiB | "
-              f"last pg_loss {float(metrics['pg_loss']):.4f} grad_norm {metrics['grad_norm']:.3f}")
-        print("steps (ms):", " ".join(f"{t * 1000:.1f}" for t in times))
+        print(f"model={args.model} device={device} tokens/step={step_tokens} dtype={'bf16' if cuda else 'fp32'} "
+              f"torch={torch.__version__} rounds={args.steps} after {args.warmup} warmup")
+        for name in names:
+            t = times[name]
+            step_s = statistics.mean(t)
+            print(f"backend={name} {layouts[name]}")
+            print(f"  step {step_s * 1000:.1f} ms (median {statistics.median(t) * 1000:.1f}, min {min(t) * 1000:.1f}) "
+                  f"| {step_tokens / step_s:,.0f} tokens/s ({step_tokens / step_s / world:,.0f} per GPU) "
+                  f"| last pg_loss {float(metrics[name]['pg_loss']):.4f} grad_norm {metrics[name]['grad_norm']:.3f}")
+            print("  steps (ms):", " ".join(f"{x * 1000:.1f}" for x in t))
+        if len(names) == 1:
+            print(f"peak memory {peak.item():.2f} GiB")
+        else:
+            print(f"peak memory {peak.item():.2f} GiB (all {len(names)} backends resident)")
+            first = names[0]
+            for other in names[1:]:  # speed of `first` relative to `other`: > 1 means first is faster
+                per_round = [b / a for a, b in zip(times[first], times[other])]
+                print(f"speed {first} / {other}: {statistics.mean(times[other]) / statistics.mean(times[first]):.3f} "
+                      f"on the means, {statistics.median(per_round):.3f} median of the rounds "
+                      f"(min {min(per_round):.3f}, max {max(per_round):.3f}), {first} faster in "
+                      f"{sum(r > 1 for r in per_round)}/{len(per_round)} rounds")
     dist.destroy_process_group()
 
 

@@ -244,6 +244,15 @@ def check_placement(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
         yield Problem(("train.weight_sync", "cluster.colocate"),
                       "weight_sync=distributed broadcasts between separate GPUs; colocated roles share theirs",
                       "set train.weight_sync=tensor (or auto)")
+    if cfg.train.cuda_graphs and cfg.train.compile is False:
+        yield Problem(("train.cuda_graphs", "train.compile"),
+                      "CUDA graphs replay the compiled decoder layers, and train.compile=false compiles none",
+                      "set train.compile=null (or true), or train.cuda_graphs=false")
+    if cfg.train.cuda_graphs and c.colocate:
+        yield Problem(("train.cuda_graphs", "cluster.colocate"),
+                      "colocated, the trainer frees its bf16 compute copies every step, so the graphs (which hold "
+                      "the parameters' addresses) would be recorded again every step",
+                      "set train.cuda_graphs=false, or cluster.colocate=false")
 
 
 def check_lengths(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:

@@ -59,6 +59,9 @@ class TrainConfig:
     """torch.compile each decoder layer's forward (train=fsdp: HF's decoder layers; train=megatron: each
     TransformerLayer) and the logprob head (fewer, fused kernels; the first steps pay the compile). null: on when
     training on CUDA, off on CPU (inductor's C++ compile is slow there)."""
+    cuda_graphs: bool = False
+    """With train.compile on CUDA: replay each compiled decoder layer (forward and backward) as a CUDA graph
+    (torch.compile mode="reduce-overhead"), so a step's host time no longer paces the GPU. Experimental."""
     distributed_optimizer: bool = True
     """train=megatron: shard the Adam state over the data-parallel (and context-parallel) peers, ZeRO stage 1
     (megatron's --use-distributed-optimizer; here torch's ZeroRedundancyOptimizer, train/optim.py). Nothing to

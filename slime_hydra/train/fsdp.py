@@ -6,10 +6,10 @@ forward/backward run in bf16 with fp32 gradient reduction: over several ranks FS
 one rank (nothing to shard) the model is not wrapped and ``ComputeCopy`` does the same with one multi-tensor copy
 each way, because FSDP's per-layer hooks cost as much host time as the layers themselves (docs/benchmarks.md).
 
-Speed (a 0.5B model's step is host-bound: its kernels are short, their launches are not): with ``train.compile``
-each decoder layer's forward and the logprob head are torch.compiled (fused norm / rotary / SwiGLU kernels); the
-layer is compiled before fully_shard wraps it, so FSDP's hooks stay eager around the compiled graphs. The LM head
-runs only from the first position that predicts a response token (``logits_to_keep``).
+Speed (a 0.5B model's step is ~1,600 short kernels): with ``train.compile`` each decoder layer's forward and the
+logprob head are torch.compiled (fused norm / rotary / SwiGLU kernels); the layer is compiled before fully_shard
+wraps it, so FSDP's hooks stay eager around the compiled graphs; ``train.cuda_graphs`` replays the compiled layers
+as CUDA graphs. The LM head runs only from the first position that predicts a response token (``logits_to_keep``).
 
 Loss scaling (exact gradient accumulation and DP): the loss callable returns the mean loss of a micro-batch over
 its units (tokens for token_mean, sequences otherwise); the backend scales it by
@@ -44,7 +44,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss_units, micro_batches,
                                      response_logprobs, response_values, to_device)
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.precision import ComputeCopy, ComputeCopyBackend, compute_dtype
+from slime_hydra.train.precision import ComputeCopy, ComputeCopyBackend, compile_mode, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.optim import build_optimizer
 
@@ -80,7 +80,7 @@ class FSDPBackend(ComputeCopyBackend):
         self._head = torch.compile(response_logprobs) if self.compiled else response_logprobs
         if self.compiled:  # the forward only: FSDP's hooks (dynamo-disabled) run eagerly around it
             for layer in model.model.layers:
-                layer.forward = torch.compile(layer.forward, fullgraph=True)
+                layer.forward = torch.compile(layer.forward, fullgraph=True, mode=compile_mode(train))
         self.fsdp = self.world > 1 if fsdp is None else fsdp
         if self.world > 1 and not self.fsdp:
             raise ValueError(f"fsdp=False runs one rank only (no gradient averaging), got {self.world} ranks")

@@ -60,6 +60,9 @@ INVALID = [
      "do not fit"),
     (("mode=async", "cluster.colocate=true", "rollout.num_gpus=null"), "mode", "cannot do"),
     (("train.weight_sync=tensor",), "train.weight_sync", "needs colocated"),
+    (("train.cuda_graphs=true", "train.compile=false"), "train.cuda_graphs", "set train.compile=null"),
+    (("train.cuda_graphs=true", "cluster.colocate=true", "rollout.num_gpus=null"), "train.cuda_graphs",
+     "recorded again every step"),
     (("train.weight_sync=distributed", "cluster.colocate=true", "rollout.num_gpus=null"), "train.weight_sync",
      "share theirs"),
     # lengths

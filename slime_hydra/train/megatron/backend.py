@@ -57,7 +57,7 @@ Checkpoints: per (PP stage, TP rank), model and optimizer shards (written by the
 world size, tp and pp (cp and dp may be traded). To change tp or pp, export_hf and start a new run from the export
 (optimizer state is not carried).
 
-Precision and speed (a 0.5B model's step is host-bound: many short kernels): parameters are fp32 masters (the
+Precision and speed (a 0.5B model's step is ~1,200 short kernels): parameters are fp32 masters (the
 optimizer, gradient reduction, checkpoints, weight sync and the reference swap see only those); with bf16 on GPU
 the forward/backward run on ``precision.ComputeCopy``'s bf16 copies of this rank's shards (one multi-tensor copy in,
 each backward's bf16 gradients added into the masters' fp32 ``.grad``), not under torch.autocast (a cast per weight
@@ -65,8 +65,9 @@ use); pipeline activations still travel in fp32 and are cast at the stage's inpu
 on with CUDA) each TransformerLayer's forward and, at tp=1 cp=1, the logprob head (logsumexp of the kept positions,
 batch.response_logprobs) are torch.compiled. The LM head runs only from the first position that predicts a
 response token, batch-major so its logits need no transposed copy (cp=1). No device sync inside the micro-batch
-loop (loss weights from host tensors, metrics read after the loop). Each layer compiles to one graph
-(spec.RowParallelLinear) and the grad norm is one multi-tensor norm.
+loop (loss weights from host tensors; the clip coefficient stays on the device; metrics are read once, after the
+optimizer step). Each layer compiles to one graph (spec.RowParallelLinear), which ``train.cuda_graphs`` replays as
+CUDA graphs (forward and backward), and the grad norm is one multi-tensor norm.
 
 Not supported: expert parallelism (ep > 1: the families converted here are dense; refused at construction, and by
 config validation for dense models, config/rules.py); ring attention or packed (THD) sequences under CP.
@@ -92,7 +93,7 @@ from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from slime_hydra.train.precision import ComputeCopy, ComputeCopyBackend, compute_dtype
+from slime_hydra.train.precision import ComputeCopy, ComputeCopyBackend, compile_mode, compute_dtype
 from slime_hydra.train.optim import build_optimizer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -168,14 +169,12 @@ class MegatronBackend(ComputeCopyBackend):
                 if hasattr(dynamo.config, knob):
                     setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), limit))
             for layer in self.model.decoder.layers:
-                layer.forward = torch.compile(layer.forward)
+                layer.forward = torch.compile(layer.forward, mode=compile_mode(train))
         self._lm_logprobs = (torch.compile(response_logprobs) if self.compiled else response_logprobs)
         self._keep_from = 0  # the LM head's first position (set per micro-batch; cp=1 only)
         if self.last_stage and self.head == "lm" and self.cp_size == 1 and not config.sequence_parallel:
             self.model.output_layer.register_forward_pre_hook(self._head_input)
             self.model.output_layer.register_forward_hook(self._head_output)
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
-                         if train.dtype == "bf16" and self.device.type == "cuda" else nullcontext())
         peak = train.critic_lr if role == "critic" else train.lr
         self.optimizer, self.scheduler = build_optimizer(
             self.model.parameters(), train, total_steps, peak,
@@ -214,8 +213,7 @@ class MegatronBackend(ComputeCopyBackend):
         if not self.first_stage:
             low = self._compute.dtype if self._compute is not None else hidden.dtype
             self.model.set_input_tensor(hidden.to(low))  # pipeline activations travel in fp32
-        with self.autocast if self._compute is None else nullcontext():
-            return self.model(ids, positions, None)
+        return self.model(ids, positions, None)
 
     def _head_input(self, module, args):
         """Forward pre-hook of the output layer: hidden states [s, b, H] from the first predicting position on,
@@ -391,7 +389,6 @@ class MegatronBackend(ComputeCopyBackend):
 
         with self._computing():
             self._pipeline(hosts, loss_of, backward=True)
-        sums = {name: float(value) for name, value in sums.items()}
         self._reduce_gradients()
         grad_norm = self._clip_gradients(self.train_cfg.clip_grad)
         lr = self.scheduler.get_last_lr()[0]
@@ -399,6 +396,7 @@ class MegatronBackend(ComputeCopyBackend):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        sums = {name: float(value) for name, value in sums.items()}  # the step's one device sync
         if self.pp_size > 1:  # the metrics were computed on the last stage
             box = [sums]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, self.pp_size - 1),
@@ -407,7 +405,7 @@ class MegatronBackend(ComputeCopyBackend):
         reduced = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
         dist.all_reduce(reduced, group=self.dp_group)  # each DP rank's weighted sum covers its units
         out = dict(zip(sums, reduced.tolist()))
-        out.update(grad_norm=grad_norm, lr=lr)
+        out.update(grad_norm=float(grad_norm), lr=lr)
         return out
 
     def _reduce_gradients(self) -> None:
@@ -435,9 +433,10 @@ class MegatronBackend(ComputeCopyBackend):
                         g.copy_(part.view_as(g))
                     bucket, elements = [], 0
 
-    def _clip_gradients(self, max_norm: float) -> float:
-        """Global grad norm (module docstring) and clipping. Per-tensor norms in one multi-tensor kernel (fp32, as
-        clip_grad_norm_), their squares summed in fp64: a few launches instead of four per parameter."""
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Global grad norm (module docstring; a 0-dim device tensor) and clipping. Per-tensor norms in one
+        multi-tensor kernel (fp32, as clip_grad_norm_), their squares summed in fp64: a few launches instead of
+        four per parameter. The clip coefficient stays on the device (no sync before the optimizer step)."""
         grads: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # TP-split or not
         for name, p in self.params.items():
             if self._tied_copy and name == TIED_COPY.megatron:
@@ -455,11 +454,10 @@ class MegatronBackend(ComputeCopyBackend):
         total = split + replicated
         if self.pp_size > 1:
             dist.all_reduce(total, group=self.pp_group)
-        norm = float(total.sqrt())
-        if max_norm > 0:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_([p.grad for p in self.model.parameters()], coef)
+        norm = total.sqrt()
+        if max_norm > 0:  # a coefficient of 1 multiplies exactly
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+            torch._foreach_mul_([p.grad for p in self.model.parameters()], coef)
         return norm
 
     # ---- weights ----------------------------------------------------------------------------------------------
