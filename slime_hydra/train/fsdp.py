@@ -27,13 +27,10 @@ them into the parameters, runs the forward, and copies the trained shards back (
 """
 
 import json
-import os
-import random
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -44,15 +41,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss_units, micro_batches,
                                      response_logprobs, response_values, to_device)
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.precision import ComputeCopy, ComputeCopyBackend, compile_mode, compute_dtype
+from slime_hydra.train.backend import LossFn, TrainBackend, rng_state, set_rng_state
+from slime_hydra.train.precision import ComputeCopy, compile_mode, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.optim import build_optimizer
 
-LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
-"""loss_fn(logp [B,T], entropy [B,T] or None, micro_batch) -> (mean loss over the micro-batch's units, metrics)."""
 
-
-class FSDPBackend(ComputeCopyBackend):
+class FSDPBackend(TrainBackend):
     def __init__(self, model_path: str | Path, train: TrainConfig, total_steps: int, loss_agg: str = "token_mean",
                  keep_reference: bool = False, device: str | None = None, role: str = "actor",
                  fsdp: bool | None = None):
@@ -135,12 +130,6 @@ class FSDPBackend(ComputeCopyBackend):
             if self.fsdp:
                 self.model.reshard()  # FSDP2 keeps the root's parameters unsharded after a forward without backward
         return logp.cpu(), (ent.cpu() if with_entropy else None)
-
-    def values(self, batch: TrainBatch) -> torch.Tensor:
-        """Critic only: [B, T] values of the states before each response token."""
-        if self.role != "critic":
-            raise ValueError("values() needs role='critic'")
-        return self.logprobs(batch)[0]
 
     # ---- training ---------------------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float = 1.0,
@@ -232,29 +221,3 @@ class FSDPBackend(ComputeCopyBackend):
     def _local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every parameter, by name."""
         return {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in self.model.named_parameters()}
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500) -> None:
-    """Join the trainer's process group: gloo for host tensors always, nccl for CUDA tensors when there is a GPU
-    (the backends all-reduce small host tensors: loss units, metrics)."""
-    os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ.setdefault("MASTER_PORT", str(master_port))
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-    dist.init_process_group(backend, rank=rank, world_size=world_size)

@@ -36,7 +36,7 @@ class TrainRank:
     def setup(self, rank: int, world: int, master: tuple[str, int], backend: str, model_path: str,
               train: TrainConfig, total_steps: int, loss_agg: str, keep_reference: bool, role: str,
               torch_threads: int | None) -> None:
-        from slime_hydra.train.fsdp import init_distributed
+        from slime_hydra.train.backend import init_distributed
 
         assigned = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
         torch.set_num_threads(torch_threads or max(assigned, 1))

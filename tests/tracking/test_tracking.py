@@ -1,6 +1,5 @@
 """metrics.jsonl, wandb (offline), TensorBoard and the PNG report, read back and checked."""
 
-import json
 import subprocess
 import sys
 

@@ -51,7 +51,7 @@ def _free_port() -> int:
 
 
 def _entry(rank, world, port, fn, args, queue):
-    from slime_hydra.train.fsdp import init_distributed
+    from slime_hydra.train.backend import init_distributed
 
     torch.set_num_threads(1)
     os.environ["MASTER_PORT"] = str(port)

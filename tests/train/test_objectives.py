@@ -1,7 +1,5 @@
 """The algo configs' losses on the real FSDP backend: step-0 gates and a GRPO step that follows the advantages."""
 
-import torch
-
 from slime_hydra.algo.config import AlgoConfig
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.fsdp import FSDPBackend

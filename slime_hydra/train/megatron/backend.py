@@ -1,5 +1,5 @@
 """train=megatron: megatron-core GPTModel with tensor (TP), context (CP) and pipeline (PP) parallelism inside a model
-replica and data parallelism (DP) across replicas; the backend protocol of train/fsdp.py, with the same semantics,
+replica and data parallelism (DP) across replicas; the backend protocol (train/backend.py), with the same semantics,
 for the policy (role="actor") and PPO's critic (role="critic").
 
 Ranks: world = tp x cp x pp x dp in megatron's order ("tp-cp-ep-dp-pp"): TP fastest, then CP, then DP, PP slowest
@@ -87,22 +87,20 @@ from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss
                                      predicting_positions, response_logprobs, response_values, to_device)
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
-from slime_hydra.train.fsdp import rng_state, set_rng_state
 from slime_hydra.train.megatron.context_parallel import gather_sequence, local_positions, padded_length, split_sequence
 from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_hf_weights, stage_parameters, stage_table
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from slime_hydra.train.precision import ComputeCopy, ComputeCopyBackend, compile_mode, compute_dtype
+from slime_hydra.train.backend import LossFn, TrainBackend, rng_state, set_rng_state
+from slime_hydra.train.precision import ComputeCopy, compile_mode, compute_dtype
 from slime_hydra.train.optim import build_optimizer
-
-LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
 
 BUCKET_ELEMENTS = 64 * 1024 * 1024
 """Gradient elements per DP all-reduce (256 MiB of fp32)."""
 
 
-class MegatronBackend(ComputeCopyBackend):
+class MegatronBackend(TrainBackend):
     def __init__(self, model_path: str | Path, train: TrainConfig, total_steps: int, loss_agg: str = "token_mean",
                  keep_reference: bool = False, device: str | None = None, role: str = "actor"):
         from megatron.core import parallel_state
@@ -359,12 +357,6 @@ class MegatronBackend(ComputeCopyBackend):
             self.model.eval()
             self._pipeline([batch.select(idx) for idx in groups], collect, backward=False)
         return self._from_last_stage(logp.cpu()), (self._from_last_stage(ent.cpu()) if with_entropy else None)
-
-    def values(self, batch: TrainBatch) -> torch.Tensor:
-        """Critic only: [B, T] values of the states before each response token."""
-        if self.role != "critic":
-            raise ValueError("values() needs role='critic'")
-        return self.logprobs(batch)[0]
 
     # ---- training ---------------------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float = 1.0,

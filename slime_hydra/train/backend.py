@@ -1,0 +1,96 @@
+"""The training-backend protocol: what the loop asks of a training rank (train/group.py forwards each call to every
+rank of the group, collectively), implemented by train=fsdp (train/fsdp.py) and train=megatron
+(train/megatron/backend.py) with the same semantics.
+
+    backend = Backend(model_path, train_cfg, total_steps, loss_agg, keep_reference, role="actor" | "critic")
+    logp, entropy = backend.logprobs(batch, policy="current" | "ref", temperature, with_entropy)  # [B, T] on host
+    metrics = backend.train_step(batch, loss_fn, temperature, with_entropy)  # one optimizer step; grad_norm, lr
+    for hf_name, tensor in backend.iter_full_weights(): ...                  # weight sync, HF names, full tensors
+    backend.save(dir); backend.load(dir); backend.export_hf(dir)            # resumable checkpoint / HF export
+    backend.offload(); backend.onload()                                      # colocated GPUs (train/offload.py)
+
+``batch`` is this rank's share of the global batch (train/batch.TrainBatch: right-padded rows, response columns
+[B, T]). A critic (PPO) returns its values V(s_j) from ``logprobs`` / ``values`` in place of logprobs.
+"""
+
+import os
+import random
+from abc import abstractmethod
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from slime_hydra.train.batch import TrainBatch
+from slime_hydra.train.precision import ComputeCopyBackend
+
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
+"""loss_fn(logp [B,T], entropy [B,T] or None, micro_batch) -> (mean loss over the micro-batch's units, metrics)."""
+
+
+class TrainBackend(ComputeCopyBackend):
+    """The protocol above; ``role`` is "actor" or "critic"."""
+
+    role: str
+
+    @abstractmethod
+    def logprobs(self, batch: TrainBatch, policy: str = "current", temperature: float = 1.0,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T] logprobs (and entropy) of the response tokens under the current or the reference policy."""
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """Critic only: [B, T] values of the states before each response token."""
+        if self.role != "critic":
+            raise ValueError("values() needs role='critic'")
+        return self.logprobs(batch)[0]
+
+    @abstractmethod
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float = 1.0,
+                   with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step on this rank's share of the global batch; returns averaged metrics + grad_norm, lr."""
+
+    @abstractmethod
+    def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) for every HF state-dict entry. Collective."""
+
+    @abstractmethod
+    def export_hf(self, out_dir: str | Path) -> None:
+        """An HF checkpoint (config + safetensors) of the current weights. Collective."""
+
+    @abstractmethod
+    def save(self, ckpt_dir: str | Path) -> None:
+        """A resumable checkpoint: model, optimizer, scheduler, step, RNG, reference. Collective."""
+
+    @abstractmethod
+    def load(self, ckpt_dir: str | Path) -> None:
+        """Resume from ``save``'s checkpoint. Collective."""
+
+
+def rng_state() -> dict:
+    """Every RNG a step draws from (python, numpy, torch, CUDA): saved per rank with each checkpoint."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Inverse of ``rng_state``."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500) -> None:
+    """Join the trainer's process group: gloo for host tensors always, nccl for CUDA tensors when there is a GPU
+    (the backends all-reduce small host tensors: loss units, metrics)."""
+    os.environ.setdefault("MASTER_ADDR", master_addr)
+    os.environ.setdefault("MASTER_PORT", str(master_port))
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
