@@ -24,16 +24,30 @@ import torch
 import torch.distributed as dist
 
 from slime_hydra.train.batch import TrainBatch
+from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.precision import ComputeCopyBackend
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
 """loss_fn(logp [B,T], entropy [B,T] or None, micro_batch) -> (mean loss over the micro-batch's units, metrics)."""
 
 
+def compile_mode(train: TrainConfig) -> str | None:
+    """torch.compile's mode for the decoder layers: "reduce-overhead" (CUDA graphs) with train.cuda_graphs."""
+    return "reduce-overhead" if train.cuda_graphs else None
+
+
 class TrainBackend(ComputeCopyBackend):
     """The protocol above; ``role`` is "actor" or "critic"."""
 
     role: str
+    train_cfg: TrainConfig
+
+    def _computing(self):
+        """Around each forward/backward block: the compute copies (precision.py) and, with train.cuda_graphs, a
+        new CUDA-graph iteration (outputs of earlier graph replays are dead: their memory gets reused)."""
+        if self.train_cfg.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return super()._computing()
 
     @abstractmethod
     def logprobs(self, batch: TrainBatch, policy: str = "current", temperature: float = 1.0,

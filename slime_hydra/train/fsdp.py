@@ -41,8 +41,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss_units, micro_batches,
                                      response_logprobs, response_values, to_device)
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.backend import LossFn, TrainBackend, rng_state, set_rng_state
-from slime_hydra.train.precision import ComputeCopy, compile_mode, compute_dtype
+from slime_hydra.train.backend import LossFn, TrainBackend, compile_mode, rng_state, set_rng_state
+from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.optim import build_optimizer
 

@@ -14,11 +14,6 @@ from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.offload import Offloadable
 
 
-def compile_mode(train: TrainConfig) -> str | None:
-    """torch.compile's mode for the decoder layers: "reduce-overhead" (CUDA graphs) with train.cuda_graphs."""
-    return "reduce-overhead" if train.cuda_graphs else None
-
-
 def compute_dtype(train: TrainConfig, device: torch.device) -> torch.dtype:
     """The forward/backward dtype: bf16 on CUDA with train.dtype=bf16, else fp32 (CPU runs use fp32)."""
     return torch.bfloat16 if (train.dtype == "bf16" and device.type == "cuda") else torch.float32
@@ -77,13 +72,9 @@ class ComputeCopyBackend(Offloadable):
     from the masters at the next forward)."""
 
     _compute: ComputeCopy | None = None
-    train_cfg: TrainConfig
 
     def _computing(self):
-        """The block's forward/backward run on the low-precision copies (else directly on the masters). A new
-        iteration for CUDA graphs: outputs of earlier graph replays are dead (their memory gets reused)."""
-        if self.train_cfg.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
+        """The block's forward/backward run on the low-precision copies (else directly on the masters)."""
         return self._compute.swapped_in() if self._compute is not None else nullcontext()
 
     def offload(self) -> float:

@@ -92,8 +92,8 @@ from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from slime_hydra.train.backend import LossFn, TrainBackend, rng_state, set_rng_state
-from slime_hydra.train.precision import ComputeCopy, compile_mode, compute_dtype
+from slime_hydra.train.backend import LossFn, TrainBackend, compile_mode, rng_state, set_rng_state
+from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.optim import build_optimizer
 
 BUCKET_ELEMENTS = 64 * 1024 * 1024
@@ -388,7 +388,7 @@ class MegatronBackend(TrainBackend):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        sums = {name: float(value) for name, value in sums.items()}  # the step's one device sync
+        sums = {name: float(value) for name, value in sums.items()}  # read once the optimizer step is queued
         if self.pp_size > 1:  # the metrics were computed on the last stage
             box = [sums]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, self.pp_size - 1),
