@@ -11,11 +11,13 @@ logprobs; a bf16 step's loss and grad norm) and, with 2 GPUs, TP2, PP2 and CP2 a
 """
 
 from dataclasses import replace
+from functools import partial
 
 import asyncio
 
 import pytest
 import torch
+from megatron.core.transformer.attention import SelfAttention as MegatronSelfAttention
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -84,6 +86,7 @@ def _logits_and_weights(path, tp):
 
     from slime_hydra.train.megatron.convert import iter_hf_weights, load_hf_weights
     from slime_hydra.train.megatron.model import build_model, transformer_config
+    from slime_hydra.train.megatron.spec import SelfAttention
 
     arch = Arch.from_hf(AutoConfig.from_pretrained(path))
     model = build_model(arch, transformer_config(arch, tp=tp))
@@ -95,8 +98,15 @@ def _logits_and_weights(path, tp):
         local = model(ids, torch.arange(13).expand_as(ids), None)
         parts = [torch.empty_like(local) for _ in range(tp)]
         torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        for layer in model.decoder.layers:  # megatron's own QKV split and RoPE (from freqs) on the same modules
+            attention = layer.self_attention
+            attention.forward = partial(MegatronSelfAttention.forward, attention)
+            attention.get_query_key_value_tensors = partial(MegatronSelfAttention.get_query_key_value_tensors,
+                                                            attention)
+        stock = model(ids, torch.arange(13).expand_as(ids), None)
     weights = {name: t.clone() for name, t in iter_hf_weights(model, arch, group)}
-    return ids, torch.cat(parts, dim=-1), weights
+    ours = all(type(layer.self_attention) is SelfAttention for layer in model.decoder.layers)
+    return ids, torch.cat(parts, dim=-1), weights, ours and torch.equal(local, stock)
 
 
 def _convert_every_family(rank, world, paths):
@@ -346,10 +356,11 @@ def two_ranks(checkpoints, tmp_path_factory):
 def test_megatron_logits_equal_hf_logits(converted, checkpoints, family, tp):
     hf = AutoModelForCausalLM.from_pretrained(checkpoints[family], dtype=torch.float32)
     for rank in range(2):
-        ids, logits, _ = converted[rank][tp][family]
+        ids, logits, _, same_as_stock_attention = converted[rank][tp][family]
         with torch.no_grad():
             expected = hf(ids).logits
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        assert same_as_stock_attention  # spec.SelfAttention's split and RoPE == megatron's, bit for bit
 
 
 @pytest.mark.parametrize("tp", [1, 2])

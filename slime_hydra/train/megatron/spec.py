@@ -3,7 +3,8 @@
 Which spec:
 - TransformerEngine importable and a GPU present: megatron's TE layer spec (fused layernorm-linear, TE attention).
   Not exercised here (no machine we test on has TE); convert.py maps TE's fused-norm parameter names.
-- otherwise megatron's local spec with ``SDPACoreAttention`` in place of DotProductAttention (whose score buffer
+- otherwise megatron's local spec with ``SelfAttention`` (megatron's, with a QKV split and RoPE that compile to
+  cheap kernels; same arithmetic) and ``SDPACoreAttention`` in place of DotProductAttention (whose score buffer
   and default causal mask are allocated on CUDA, and which materialises the [b, np, s, s] scores: on a GPU the
   SDPA spec trained ~1.7x faster, see shared/notes/ENVIRONMENT.md), and ``RowParallelLinear`` (attention output
   and MLP down projections) passing its TP group, so torch.compile takes a whole layer as one graph. With cp > 1
@@ -22,6 +23,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.attention import SelfAttention as MegatronSelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -29,6 +31,86 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from slime_hydra.train.megatron.context_parallel import gather_sequence, split_sequence
+
+
+@torch.library.custom_op("slime_hydra::rope_table", mutates_args=())
+def rope_table(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos(freqs), sin(freqs) in ``dtype``. An opaque op, so torch.compile materialises the [s, 1, 1, r] tables
+    once instead of inlining the two trig functions into every element of the rotation kernels."""
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+@rope_table.register_fake
+def _(freqs, dtype):
+    return freqs.new_empty(freqs.shape, dtype=dtype), freqs.new_empty(freqs.shape, dtype=dtype)
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE on the first r = cos.shape[-1] channels of t [s, b, heads, d] (r < d: partial rotary, the rest passes):
+    x * cos + rotate_half(x) * sin, rotate_half pairing x_i with x_{i + r/2} (or x_{2i} with x_{2i+1} when
+    interleaved); megatron's _apply_rotary_pos_emb_bshd, op for op, on precomputed tables."""
+    r = cos.shape[-1]
+    x, rest = t[..., :r], t[..., r:]
+    if interleaved:
+        half = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+        half = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x * cos + half * sin, rest), dim=-1)
+
+
+class SelfAttention(MegatronSelfAttention):
+    """megatron's self-attention with the QKV split and RoPE written so torch.compile makes them cheap kernels.
+
+    Same parameters and arithmetic as megatron's (bit for bit, tests/train/test_megatron.py); two changes in form,
+    measured at the 0.5B shape on an H100 (docs/benchmarks.md):
+    - RoPE from cos/sin tables made once per call (``rope_table``). The stock forward takes cos(freqs) and
+      sin(freqs) inside the rotation, which compile fuses into the kernels rotating q and k, forward and backward:
+      every one of the s x b x heads x d elements evaluated both trig functions.
+    - The fused QKV output is split as a [s, b, groups, heads_per_group + 2, d] view (``get_query_key_value_tensors``)
+      rather than megatron's [.., groups, (heads_per_group + 2) * d] split: the compiled kernels then index
+      whole heads (d = 64 contiguous channels) and load vectors; with 448-wide runs (7 query heads) they did not.
+    The rotation and split kernels, forward + backward, per layer: 131 us with megatron's forward, 47 us with this
+    one (tables included; transformers' rotation in train=fsdp: 31 us).
+    The training path only: inference contexts, packed (THD) sequences, output gates, per-layer no-RoPE and
+    recomputed core attention go to megatron's forward, as do fewer query groups than TP ranks to its split."""
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        """query [s, b, heads, d], key and value [s, b, groups, d] of this TP rank, from linear_qkv's rows
+        interleaved per query group (q_1 .. q_n, k, v for each group; convert.py writes them so)."""
+        if output_gate or not split_qkv or key_value_states is not None or (
+                self.config.num_query_groups < self.world_size) or self.config.test_mode:
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
+        mixed, _ = self.linear_qkv(hidden_states)
+        groups = self.num_query_groups_per_partition
+        per_group = self.num_attention_heads_per_partition // groups
+        d = self.hidden_size_per_attention_head
+        mixed = mixed.view(*mixed.shape[:2], groups, per_group + 2, d)
+        query = mixed[:, :, :, :per_group].reshape(*mixed.shape[:2], groups * per_group, d)
+        key, value = mixed[:, :, :, per_group], mixed[:, :, :, per_group + 1]
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        return query, key, value
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        if (inference_context is not None or inference_params is not None or packed_seq_params is not None
+                or not isinstance(rotary_pos_emb, torch.Tensor) or self.config.attention_output_gate
+                or self.config.no_rope_freq or self.checkpoint_core_attention):
+            return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
+                                   rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
+                                   attention_bias, packed_seq_params, sequence_len_offset,
+                                   inference_params=inference_params)
+        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        cos, sin = rope_table(rotary_pos_emb, query.dtype)
+        query = rotate(query, cos, sin, self.config.rotary_interleaved)
+        key = rotate(key, cos, sin, self.config.rotary_interleaved)
+        out = self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
+                                  attention_bias=attention_bias)
+        return self.linear_proj(out)
 
 
 class SDPACoreAttention(MegatronModule):
@@ -173,6 +255,7 @@ def layer_spec(arch, config, use_te: bool) -> ModuleSpec:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        spec.submodules.self_attention.module = SelfAttention
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         spec.submodules.self_attention.submodules.linear_proj = RowParallelLinear
         spec.submodules.mlp.submodules.linear_fc2 = RowParallelLinear
