@@ -1,5 +1,5 @@
 """train=megatron on CPU with gloo: HF <-> Megatron conversion for every family (logits equal at TP1 and TP2,
-weights round-trip), vocab-parallel logprobs, TP2 == DP2 == PP2 == TP2xPP2 == TP1 == FSDP on the same batch, logprob
+and bit for bit those of megatron's own QKV split and RoPE; weights round-trip), vocab-parallel logprobs, TP2 == DP2 == PP2 == TP2xPP2 == TP1 == FSDP on the same batch, logprob
 alignment and the reference policy, the embedded engine's rollout logprobs, resume exactness (in process, and
 across killed processes at PP2), HF export, the PPO critic (values equal FSDP's, a step lowers the value loss),
 context parallelism (CP2, TP2xCP2, CP2xPP2 == CP1: logprobs, entropy, loss, grad norm, weights after a step, critic).
@@ -654,22 +654,16 @@ def test_cp2_checkpoint_is_per_pp_stage_and_tp_rank_and_resumes_at_dp2(context_p
 
 
 @pytest.mark.slow
-def test_tp2_cp2_on_four_ranks_equals_cp1(context_parallel, checkpoints):
+@pytest.mark.parametrize("tp,pp,ranks", [
+    (2, 1, [(0, 0, 0, 1), (0, 0, 1, 1), (0, 1, 0, 1), (0, 1, 1, 1)]),  # TP fastest, then CP: tp_rank + 2 * cp_rank
+    (1, 2, [(0, 0, 0, 1), (0, 1, 0, 1), (1, 0, 0, 1), (1, 1, 0, 1)]),  # CP before PP: cp_rank + 2 * pp_rank
+], ids=["tp2_cp2", "cp2_pp2"])
+def test_cp2_with_tp2_or_pp2_on_four_ranks_equals_cp1(context_parallel, checkpoints, tp, pp, ranks):
+    """megatron's rank order, and CP1's results. At PP2 the activations of this rank's chunks go between the stages
+    and the last stage gathers the logprobs over CP."""
     reference, _ = context_parallel
-    results = run_ranks(4, _context_parallel, checkpoints[TRAIN_FAMILY], 2, 2, 1, False)
-    # megatron's order: TP fastest, then CP (global rank = tp_rank + 2 * cp_rank)
-    assert [r["ranks"] for r in results] == [(0, 0, 0, 1), (0, 0, 1, 1), (0, 1, 0, 1), (0, 1, 1, 1)]
-    for got in results:
-        _assert_cp_equals_reference(got, reference)
-
-
-@pytest.mark.slow
-def test_cp2_pp2_on_four_ranks_equals_cp1(context_parallel, checkpoints):
-    """Activations of this rank's chunks go between the stages; the last stage gathers logprobs over CP."""
-    reference, _ = context_parallel
-    results = run_ranks(4, _context_parallel, checkpoints[TRAIN_FAMILY], 2, 1, 2, False)
-    # CP before PP (global rank = cp_rank + 2 * pp_rank)
-    assert [r["ranks"] for r in results] == [(0, 0, 0, 1), (0, 1, 0, 1), (1, 0, 0, 1), (1, 1, 0, 1)]
+    results = run_ranks(4, _context_parallel, checkpoints[TRAIN_FAMILY], 2, tp, pp, False)
+    assert [r["ranks"] for r in results] == ranks
     for got in results:
         _assert_cp_equals_reference(got, reference)
 
