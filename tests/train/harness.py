@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks (spawned processes) and return every rank's result; tiny model fixtures."""
+"""Run a function on N gloo ranks (spawned processes) and return every rank's result; tiny model fixtures; the
+logprob checks both backends share."""
 
 import os
 import pickle
@@ -82,3 +83,27 @@ def run_ranks(world: int, fn, *args):
     while not procs.join():
         pass
     return [results[r] for r in range(world)]
+
+
+def assert_policy_logprobs(path: Path, current, entropy, ref0, after, ref1) -> None:
+    """A backend's logprobs and entropy of toy_batch() [B, R] equal those of a plain transformers forward, computed
+    by hand (the logits at position p+j-1 predict token p+j; fp32, 1e-5), zero past each response; at step 0 the
+    reference equals the current policy exactly (kl = 0), and after a step the policy moved but the reference
+    (``ref1``) did not."""
+    from transformers import AutoModelForCausalLM
+
+    batch = toy_batch()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for i in range(batch.size):
+        n, p = int(batch.attention_mask[i].sum()), int(batch.response_start[i])
+        ids = batch.input_ids[i, :n].unsqueeze(0)
+        with torch.no_grad():
+            logp_all = torch.log_softmax(model(ids).logits[0].float(), -1)
+        expected = torch.stack([logp_all[p + j - 1, ids[0, p + j]] for j in range(n - p)])
+        torch.testing.assert_close(current[i, : n - p], expected, atol=1e-5, rtol=0)
+        assert torch.all(current[i, n - p:] == 0)
+        probs = logp_all[p - 1 : n - 1].exp()
+        torch.testing.assert_close(entropy[i, : n - p], -(probs * logp_all[p - 1 : n - 1]).sum(-1), atol=1e-5, rtol=0)
+    assert torch.equal(current, ref0)  # step 0: kl = 0 exactly
+    assert (after - current).abs().max() > 1e-3  # training moved the policy ...
+    assert torch.equal(ref1, ref0)  # ... and the reference stayed the initial one

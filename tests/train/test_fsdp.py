@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.fsdp import FSDPBackend
-from tests.train.harness import pg_loss, run_ranks, tiny_checkpoint, toy_batch
+from tests.train.harness import assert_policy_logprobs, pg_loss, run_ranks, tiny_checkpoint, toy_batch
 
 CFG = dict(lr=1e-2, dtype="fp32", clip_grad=1.0)
 
@@ -86,22 +86,7 @@ def _logprob_checks(rank, world, path):
 
 def test_logprobs_align_with_a_plain_forward_and_reference_is_the_initial_policy():
     path = tiny_checkpoint()
-    current, entropy, ref0, after, ref1 = run_ranks(1, _logprob_checks, path)[0]
-    batch = toy_batch()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    for i in range(batch.size):  # by hand: logits at position p+j-1 predict token p+j
-        n = int(batch.attention_mask[i].sum())
-        p = int(batch.response_start[i])
-        ids = batch.input_ids[i, :n].unsqueeze(0)
-        logp_all = torch.log_softmax(model(ids).logits[0].float(), -1)
-        expected = torch.stack([logp_all[p + j - 1, ids[0, p + j]] for j in range(n - p)])
-        torch.testing.assert_close(current[i, : n - p], expected, atol=1e-5, rtol=0)
-        assert torch.all(current[i, n - p:] == 0)
-        probs = logp_all[p - 1 : n - 1].exp()
-        torch.testing.assert_close(entropy[i, : n - p], -(probs * logp_all[p - 1 : n - 1]).sum(-1), atol=1e-5, rtol=0)
-    assert torch.equal(current, ref0)  # step 0: kl = 0 exactly
-    assert (after - current).abs().max() > 1e-3  # training moved the policy ...
-    assert torch.equal(ref1, ref0)  # ... and the reference stayed the initial one
+    assert_policy_logprobs(path, *run_ranks(1, _logprob_checks, path)[0])
 
 
 def _run_with_checkpoint(rank, world, path, ckpt, phase):

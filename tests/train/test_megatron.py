@@ -29,7 +29,7 @@ from slime_hydra.train.objectives import CriticLoss
 from slime_hydra.train.megatron.convert import hf_to_megatron, megatron_to_hf, param_map, shard
 from slime_hydra.train.megatron.model import Arch
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from tests.train.harness import TINY, pg_loss, run_ranks, tiny_checkpoint, toy_batch
+from tests.train.harness import TINY, assert_policy_logprobs, pg_loss, run_ranks, tiny_checkpoint, toy_batch
 
 FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
 CFG = dict(lr=1e-2, dtype="fp32", clip_grad=1.0)
@@ -467,22 +467,7 @@ def test_megatron_and_fsdp_agree(one_rank):
 
 
 def test_logprobs_align_with_a_plain_forward_and_reference_is_the_initial_policy(one_rank, checkpoints):
-    current, entropy, ref0, after, ref1 = one_rank["policy"]
-    batch = toy_batch()
-    model = AutoModelForCausalLM.from_pretrained(checkpoints[TRAIN_FAMILY], dtype=torch.float32)
-    for i in range(batch.size):  # by hand: logits at position p+j-1 predict token p+j
-        n, p = int(batch.attention_mask[i].sum()), int(batch.response_start[i])
-        ids = batch.input_ids[i, :n].unsqueeze(0)
-        with torch.no_grad():
-            logp_all = torch.log_softmax(model(ids).logits[0].float(), -1)
-        expected = torch.stack([logp_all[p + j - 1, ids[0, p + j]] for j in range(n - p)])
-        torch.testing.assert_close(current[i, : n - p], expected, atol=1e-5, rtol=0)
-        assert torch.all(current[i, n - p:] == 0)
-        probs = logp_all[p - 1 : n - 1].exp()
-        torch.testing.assert_close(entropy[i, : n - p], -(probs * logp_all[p - 1 : n - 1]).sum(-1), atol=1e-5, rtol=0)
-    assert torch.equal(current, ref0)  # step 0: kl = 0 exactly
-    assert (after - current).abs().max() > 1e-3  # training moved the policy ...
-    assert torch.equal(ref1, ref0)  # ... and the reference stayed the initial one
+    assert_policy_logprobs(checkpoints[TRAIN_FAMILY], *one_rank["policy"])
 
 
 def test_checkpoint_resume_reproduces_the_next_steps_exactly(two_ranks):
