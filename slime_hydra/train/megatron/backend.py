@@ -13,14 +13,7 @@ rank holds the whole sequence's K/V, one layer at a time). The last stage gather
 or values over CP, so every CP rank computes the same loss on the full [B, T]; a token budget
 (``train.max_tokens_per_gpu``) counts per GPU, so micro-batches pack cp times as many tokens.
 
-Pipeline (pp > 1): each stage runs its layers on every micro-batch; activations [s, b, H] (sent in fp32, cast to
-the compute dtype at the receiving stage) go to the next stage and their gradients come
-back, point to point between the ranks of the same TP slot, in megatron's 1F1B order (stage r runs
-pp - r - 1 warm-up forwards, then alternates one forward and one backward, then drains the backwards). Megatron's
-own schedules (``get_forward_backward_func``) allocate their receive buffers and token counter on CUDA
-(``torch.cuda.current_device()``, ``device="cuda"``), so they cannot run on the CPU test ranks; ``_pipeline`` is
-the same schedule over torch.distributed send/recv, identical on CPU (gloo) and GPU (nccl). The last stage turns
-its output into the loss (training) or logprobs/values, which it broadcasts over the PP group with the metrics.
+Pipeline (pp > 1): pipeline.py.
 
 Loss scaling (as FSDP, over DP ranks): the loss callable's micro-batch mean is scaled by
 units(micro) / units(global batch, summed over DP ranks) * dp_size; gradients are summed over micro-batches and
@@ -61,13 +54,12 @@ Precision and speed (a 0.5B model's step is ~1,200 short kernels): parameters ar
 optimizer, gradient reduction, checkpoints, weight sync and the reference swap see only those); with bf16 on GPU
 the forward/backward run on ``precision.ComputeCopy``'s bf16 copies of this rank's shards (one multi-tensor copy in,
 each backward's bf16 gradients added into the masters' fp32 ``.grad``), not under torch.autocast (a cast per weight
-use); pipeline activations still travel in fp32 and are cast at the stage's input. With ``train.compile`` (null:
-on with CUDA) each TransformerLayer's forward and, at tp=1 cp=1, the logprob head (logsumexp of the kept positions,
-batch.response_logprobs) are torch.compiled. The LM head runs only from the first position that predicts a
-response token, batch-major so its logits need no transposed copy (cp=1). No device sync inside the micro-batch
-loop (loss weights from host tensors; the clip coefficient stays on the device; metrics are read once, after the
-optimizer step). Each layer compiles to one graph (spec.RowParallelLinear), which ``train.cuda_graphs`` replays as
-CUDA graphs (forward and backward), and the grad norm is one multi-tensor norm.
+use). With ``train.compile`` (null: on with CUDA) each TransformerLayer's forward and, at tp=1 cp=1, the logprob
+head (logsumexp of the kept positions, batch.response_logprobs) are torch.compiled. The LM head runs only from the
+first position that predicts a response token, batch-major so its logits need no transposed copy (cp=1). No device
+sync inside the micro-batch loop (loss weights from host tensors; the clip coefficient stays on the device; metrics
+are read once, after the optimizer step). Each layer compiles to one graph (spec.RowParallelLinear), which
+``train.cuda_graphs`` replays as CUDA graphs (forward and backward), and the grad norm is one multi-tensor norm.
 
 Not supported: expert parallelism (ep > 1: the families converted here are dense; refused at construction, and by
 config validation for dense models, config/rules.py); ring attention or packed (THD) sequences under CP.
@@ -76,7 +68,7 @@ config validation for dense models, config/rules.py); ring attention or packed (
 import json
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -91,6 +83,7 @@ from slime_hydra.train.megatron.context_parallel import gather_sequence, local_p
 from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_hf_weights, stage_parameters, stage_table
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
+from slime_hydra.train.megatron.pipeline import Pipeline
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
 from slime_hydra.train.backend import LossFn, TrainBackend, compile_mode, rng_state, set_rng_state
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
@@ -158,6 +151,7 @@ class MegatronBackend(TrainBackend):
         self.vocab_start = self.tp_rank * (self.arch.vocab_size // self.tp_size)
         low = compute_dtype(train, self.device)
         self._compute = ComputeCopy(self.model, low) if low != torch.float32 else None
+        self.pipeline = Pipeline(self._stage, self._activation_shape, self.pp_group, self.device, self._compute)
         self.compiled = train.compile if train.compile is not None else self.device.type == "cuda"
         if self.compiled:  # each layer's forward; megatron's recompute (if on) calls it eagerly around the graph
             import torch._dynamo as dynamo
@@ -189,9 +183,10 @@ class MegatronBackend(TrainBackend):
             return ids
         return torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], self.cp_size) - ids.shape[1]))
 
-    def _local_length(self, mb: TrainBatch) -> int:
-        """Positions of a micro-batch this rank runs: its share of the (padded) sequence."""
-        return self._padded_ids(mb).shape[1] // self.cp_size
+    def _activation_shape(self, mb: TrainBatch) -> tuple[int, int, int]:
+        """[s, b, H] hidden states a stage receives for a micro-batch: s positions, this rank's share of the
+        (padded) sequence."""
+        return self._padded_ids(mb).shape[1] // self.cp_size, mb.size, self.arch.hidden_size
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
         """Row groups. A token budget counts whole sequences, which the cp ranks share: cp x the budget per GPU."""
@@ -199,11 +194,13 @@ class MegatronBackend(TrainBackend):
         return micro_batches(batch, self.train_cfg.micro_batch_samples,
                              None if budget is None else budget * self.cp_size)
 
-    def _stage(self, mb: TrainBatch, hidden: torch.Tensor | None) -> torch.Tensor:
-        """This stage's layers on a micro-batch: hidden states [L, B, H] out of every stage but the last, whose
-        output is [B, L, V / tp] logits (actor) or [B, L, 1] values (critic). ``hidden``: the previous stage's.
-        With cp > 1, L is this rank's chunks of the padded sequence (context_parallel.py); right padding + causal
-        attention: real tokens never see the padding."""
+    def _stage(self, host: TrainBatch, mb: TrainBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        """This stage's layers on a micro-batch (``host``: the same on the host): hidden states [L, B, H] out of every
+        stage but the last, whose output is [B, L, V / tp] logits (actor) or [B, L, 1] values (critic). ``hidden``:
+        the previous stage's. With cp > 1, L is this rank's chunks of the padded sequence (context_parallel.py);
+        right padding + causal attention: real tokens never see the padding."""
+        if self.last_stage and self.head == "lm" and self.cp_size == 1:
+            self._keep_from = first_predicting_position(host)  # from the host batch
         ids = self._padded_ids(mb)
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         if self.cp_size > 1:  # RoPE takes the global positions from megatron's own CP slicing (spec.py)
@@ -267,71 +264,6 @@ class MegatronBackend(TrainBackend):
         picked = torch.gather(full, 1, pos.unsqueeze(-1).expand(-1, -1, full.shape[-1])) * valid.unsqueeze(-1)
         return picked[..., 0], (picked[..., 1] if with_entropy else None)
 
-    def _pipeline(self, mbs: list[TrainBatch], on_output: Callable, backward: bool) -> None:
-        """Every micro-batch through every stage in 1F1B order (module docstring); the last stage calls
-        ``on_output(k, micro_batch, output)``, which returns the scaled loss to backpropagate when ``backward``
-        (``mbs``: host batches, each moved to the device here). Collective over the PP group (each rank talks to
-        its neighbours of the same TP slot)."""
-        from megatron.core import parallel_state
-
-        n, hidden_size = len(mbs), self.arch.hidden_size
-        inputs, outputs, pending = [None] * n, [None] * n, []
-
-        def forward(k: int) -> None:
-            mb, hidden = mbs[k].to(self.device), None
-            if self.last_stage and self.head == "lm" and self.cp_size == 1:
-                self._keep_from = first_predicting_position(mbs[k])  # from the host batch
-            if not self.first_stage:
-                hidden = torch.empty(self._local_length(mb), mb.size, hidden_size, device=self.device,
-                                     requires_grad=backward)
-                dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
-            out = self._stage(mb, hidden)
-            if self.last_stage:
-                outputs[k] = on_output(k, mb, out)
-            else:
-                out = out.float()
-                pending.append((dist.isend(out.detach(), dst=parallel_state.get_pipeline_model_parallel_next_rank()),
-                                out))
-                outputs[k] = out if backward else None
-            inputs[k] = hidden if backward else None
-
-        def backward_step(k: int) -> None:
-            if self.last_stage:
-                outputs[k].backward()
-            else:
-                grad = torch.empty_like(outputs[k])
-                dist.recv(grad, src=parallel_state.get_pipeline_model_parallel_next_rank())
-                torch.autograd.backward(outputs[k], grad)
-            if self._compute is not None:
-                self._compute.accumulate_grads()
-            if not self.first_stage:
-                pending.append((dist.isend(inputs[k].grad, dst=parallel_state.get_pipeline_model_parallel_prev_rank()),
-                                inputs[k]))
-            inputs[k] = outputs[k] = None
-
-        if not backward:
-            for k in range(n):
-                forward(k)
-        else:
-            warmup = min(self.pp_size - self.pp_rank - 1, n)
-            for k in range(warmup):
-                forward(k)
-            for k in range(n - warmup):
-                forward(warmup + k)
-                backward_step(k)
-            for k in range(n - warmup, n):
-                backward_step(k)
-        for work, _ in pending:  # the tensor stays referenced until its send completes
-            work.wait()
-
-    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The last stage's host ``tensor`` on every stage (through the device: nccl carries CUDA tensors only)."""
-        if self.pp_size == 1:
-            return tensor
-        on_device = tensor.to(self.device)
-        dist.broadcast(on_device, src=dist.get_global_rank(self.pp_group, self.pp_size - 1), group=self.pp_group)
-        return on_device.cpu()
-
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, policy: str = "current", temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -355,8 +287,9 @@ class MegatronBackend(TrainBackend):
         with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext(), \
                 self._computing():
             self.model.eval()
-            self._pipeline([batch.select(idx) for idx in groups], collect, backward=False)
-        return self._from_last_stage(logp.cpu()), (self._from_last_stage(ent.cpu()) if with_entropy else None)
+            self.pipeline.run([batch.select(idx) for idx in groups], collect, backward=False)
+        return (self.pipeline.from_last_stage(logp.cpu()),
+                (self.pipeline.from_last_stage(ent.cpu()) if with_entropy else None))
 
     # ---- training ---------------------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float = 1.0,
@@ -380,7 +313,7 @@ class MegatronBackend(TrainBackend):
             return loss * weights[k] * self.dp_size
 
         with self._computing():
-            self._pipeline(hosts, loss_of, backward=True)
+            self.pipeline.run(hosts, loss_of, backward=True)
         self._reduce_gradients()
         grad_norm = self._clip_gradients(self.train_cfg.clip_grad)
         lr = self.scheduler.get_last_lr()[0]
