@@ -9,5 +9,6 @@ pipeline and data parallelism on torch.distributed (nccl on GPU, gloo on CPU); t
     vocab_parallel.py  logprobs and entropy over a vocabulary split across TP ranks (no logits gather)
     context_parallel.py  megatron's load-balanced sequence split over CP ranks, the K/V and output gathers
     pipeline.py  the 1F1B pipeline schedule over torch.distributed send/recv (pp > 1), the last stage's broadcast
+    gradients.py  gradient reduction over TP, the tied embedding and DP x CP; the global grad norm and clipping
     backend.py  MegatronBackend: the backend protocol of train/fsdp.py on this model
 """

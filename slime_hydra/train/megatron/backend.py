@@ -20,21 +20,13 @@ units(micro) / units(global batch, summed over DP ranks) * dp_size; gradients ar
 averaged over the DP group, so the step equals one on the global-batch mean whatever the micro-batch split. CP
 ranks compute the same loss, but each one's backward covers only its own chunks' share of the gradient.
 
-Gradients: megatron's DistributedDataParallel and DistributedOptimizer need CUDA and megatron's own training loop
-state; this backend reduces gradients itself, identically on CPU (gloo) and GPU (nccl): after the last
-micro-batch, the q/k-norm gradients (shared across heads, each TP rank sees only its heads) are summed over TP, a
-tied embedding's two copies (first stage's embedding, last stage's output layer, when pp > 1) are summed over
-megatron's embedding group, then every gradient is summed over CP and averaged over DP in flat buckets (one
-all-reduce over megatron's data-parallel-with-CP group, divided by dp). The optimizer is optim.py's
-AdamW over this rank's parameter shards (fp32 masters; bf16 compute on GPU: see Precision below); with
+Gradients and grad norm: gradients.py.
+
+Optimizer: megatron's DistributedOptimizer needs CUDA and megatron's own training loop state; this backend uses
+optim.py's AdamW over this rank's parameter shards (fp32 masters; bf16 compute on GPU: see Precision below); with
 ``train.distributed_optimizer`` (default) and more than one data-parallel-with-CP peer, its state is sharded over
 those peers (ZeRO-1, torch's ZeroRedundancyOptimizer: each parameter's Adam state lives on one peer, which
 updates it and broadcasts it), megatron's distributed optimizer in effect, on CPU and GPU alike.
-
-Grad norm: sum of squares of the TP-split parameters all-reduced over TP, plus the replicated ones (norms) once,
-summed over the PP stages (the tied embedding's copy counted once; CP peers hold the same reduced gradients and
-each counts them once, without a CP reduction); clipping as torch.nn.utils.clip_grad_norm_
-(coefficient max_norm / (norm + 1e-6), capped at 1).
 
 Logprobs: the output layer stays vocab-parallel; vocab_parallel.py turns this rank's logit slice into logprobs and
 entropy with all-reduces of max, sum-exp and the target logit over TP.
@@ -59,7 +51,7 @@ head (logsumexp of the kept positions, batch.response_logprobs) are torch.compil
 first position that predicts a response token, batch-major so its logits need no transposed copy (cp=1). No device
 sync inside the micro-batch loop (loss weights from host tensors; the clip coefficient stays on the device; metrics
 are read once, after the optimizer step). Each layer compiles to one graph (spec.RowParallelLinear), which
-``train.cuda_graphs`` replays as CUDA graphs (forward and backward), and the grad norm is one multi-tensor norm.
+``train.cuda_graphs`` replays as CUDA graphs (forward and backward).
 
 Not supported: expert parallelism (ep > 1: the families converted here are dense; refused at construction, and by
 config validation for dense models, config/rules.py); ring attention or packed (THD) sequences under CP.
@@ -81,6 +73,7 @@ from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.megatron.context_parallel import gather_sequence, local_positions, padded_length, split_sequence
 from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_hf_weights, stage_parameters, stage_table
+from slime_hydra.train.megatron.gradients import Gradients
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
 from slime_hydra.train.megatron.pipeline import Pipeline
@@ -88,9 +81,6 @@ from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
 from slime_hydra.train.backend import LossFn, TrainBackend, compile_mode, rng_state, set_rng_state
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.optim import build_optimizer
-
-BUCKET_ELEMENTS = 64 * 1024 * 1024
-"""Gradient elements per DP all-reduce (256 MiB of fp32)."""
 
 
 class MegatronBackend(TrainBackend):
@@ -143,11 +133,14 @@ class MegatronBackend(TrainBackend):
         self.params = stage_parameters(self.model)
         table = stage_table(self.model, self.arch, self.head)
         self._tp_split = {p.megatron for p in table if p.kind != "replicated"}
-        self._tp_partial = [n for n in self.params if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
-        self._tied_copy = TIED_COPY in table  # this last stage holds a copy of the first stage's embedding
         shared = ("embedding.word_embeddings.weight" if self.first_stage else TIED_COPY.megatron)
-        self._shared = (self.params[shared] if train.pp > 1 and self.head == "lm" and self.arch.tie_word_embeddings
-                        and (self.first_stage or self.last_stage) else None)
+        self.gradients = Gradients(
+            self.model, self.params, self._tp_split,
+            tied_copy=TIED_COPY in table,  # this last stage holds a copy of the first stage's embedding
+            shared=(self.params[shared] if train.pp > 1 and self.head == "lm" and self.arch.tie_word_embeddings
+                    and (self.first_stage or self.last_stage) else None),
+            tp_group=self.tp_group, pp_group=self.pp_group, dp_group=self.dp_group, dp_cp_group=self.dp_cp_group,
+            device=self.device)
         self.vocab_start = self.tp_rank * (self.arch.vocab_size // self.tp_size)
         low = compute_dtype(train, self.device)
         self._compute = ComputeCopy(self.model, low) if low != torch.float32 else None
@@ -314,8 +307,8 @@ class MegatronBackend(TrainBackend):
 
         with self._computing():
             self.pipeline.run(hosts, loss_of, backward=True)
-        self._reduce_gradients()
-        grad_norm = self._clip_gradients(self.train_cfg.clip_grad)
+        self.gradients.reduce()
+        grad_norm = self.gradients.clip(self.train_cfg.clip_grad)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -332,58 +325,6 @@ class MegatronBackend(TrainBackend):
         out = dict(zip(sums, reduced.tolist()))
         out.update(grad_norm=float(grad_norm), lr=lr)
         return out
-
-    def _reduce_gradients(self) -> None:
-        from megatron.core import parallel_state
-
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:  # every rank must bring every gradient to the collectives
-                p.grad = torch.zeros_like(p)
-        if self.tp_size > 1:
-            for name in self._tp_partial:
-                dist.all_reduce(self.params[name].grad, group=self.tp_group)
-        if self._shared is not None:  # d loss / d embedding = the input side's part + the output side's part
-            dist.all_reduce(self._shared.grad, group=parallel_state.get_embedding_group())
-        if self.dp_size * self.cp_size > 1:  # summed over CP (each rank's share of the tokens), averaged over DP
-            bucket, elements = [], 0
-            for k, p in enumerate(params):
-                bucket.append(p.grad)
-                elements += p.grad.numel()
-                if elements >= BUCKET_ELEMENTS or k == len(params) - 1:
-                    flat = torch.cat([g.reshape(-1) for g in bucket])
-                    dist.all_reduce(flat, group=self.dp_cp_group)
-                    flat /= self.dp_size
-                    for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-                        g.copy_(part.view_as(g))
-                    bucket, elements = [], 0
-
-    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
-        """Global grad norm (module docstring; a 0-dim device tensor) and clipping. Per-tensor norms in one
-        multi-tensor kernel (fp32, as clip_grad_norm_), their squares summed in fp64: a few launches instead of
-        four per parameter. The clip coefficient stays on the device (no sync before the optimizer step)."""
-        grads: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # TP-split or not
-        for name, p in self.params.items():
-            if self._tied_copy and name == TIED_COPY.megatron:
-                continue  # counted on the first stage, as the embedding
-            grads[name in self._tp_split].append(p.grad.detach())
-
-        def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-            if not tensors:
-                return torch.zeros((), dtype=torch.float64, device=self.device)
-            return torch.stack(torch._foreach_norm(tensors)).double().pow(2).sum()
-
-        split, replicated = squares(grads[True]), squares(grads[False])
-        if self.tp_size > 1:
-            dist.all_reduce(split, group=self.tp_group)
-        total = split + replicated
-        if self.pp_size > 1:
-            dist.all_reduce(total, group=self.pp_group)
-        norm = total.sqrt()
-        if max_norm > 0:  # a coefficient of 1 multiplies exactly
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
-            torch._foreach_mul_([p.grad for p in self.model.parameters()], coef)
-        return norm
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,95 @@
+"""train=megatron's gradients after the last micro-batch: reduction over TP, the tied embedding and DP x CP, then
+the global grad norm and clipping.
+
+Reduction: megatron's DistributedDataParallel needs CUDA and megatron's own training loop state; this backend
+reduces gradients itself, identically on CPU (gloo) and GPU (nccl): after the last micro-batch, the q/k-norm
+gradients (shared across heads, each TP rank sees only its heads) are summed over TP, a tied embedding's two copies
+(first stage's embedding, last stage's output layer, when pp > 1) are summed over megatron's embedding group, then
+every gradient is summed over CP and averaged over DP in flat buckets (one all-reduce over megatron's
+data-parallel-with-CP group, divided by dp).
+
+Grad norm: sum of squares of the TP-split parameters all-reduced over TP, plus the replicated ones (norms) once,
+summed over the PP stages (the tied embedding's copy counted once; CP peers hold the same reduced gradients and
+each counts them once, without a CP reduction); clipping as torch.nn.utils.clip_grad_norm_
+(coefficient max_norm / (norm + 1e-6), capped at 1).
+"""
+
+import torch
+import torch.distributed as dist
+
+from slime_hydra.train.megatron.convert import TIED_COPY
+
+BUCKET_ELEMENTS = 64 * 1024 * 1024
+"""Gradient elements per DP all-reduce (256 MiB of fp32)."""
+
+
+class Gradients:
+    """Reduction and clipping of one rank's parameter gradients (module docstring). ``params``: this stage's
+    parameters by megatron name; ``tp_split``: the names of those split over TP; ``tied_copy``: this last stage
+    holds a copy of the first stage's embedding; ``shared``: the tied embedding's copy on this stage whose gradient
+    is summed over the embedding group (None: no tied embedding across stages here)."""
+
+    def __init__(self, model: torch.nn.Module, params: dict[str, torch.nn.Parameter], tp_split: set[str],
+                 tied_copy: bool, shared: torch.nn.Parameter | None, tp_group: dist.ProcessGroup,
+                 pp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, dp_cp_group: dist.ProcessGroup,
+                 device: torch.device):
+        self.model, self.params, self.device = model, params, device
+        self._tp_split, self._tied_copy, self._shared = tp_split, tied_copy, shared
+        self._tp_partial = [n for n in params if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
+        self.tp_group, self.pp_group, self.dp_cp_group = tp_group, pp_group, dp_cp_group
+        self.tp_size, self.pp_size = dist.get_world_size(tp_group), dist.get_world_size(pp_group)
+        self.dp_size = dist.get_world_size(dp_group)
+        self.dp_cp_size = dist.get_world_size(dp_cp_group)
+
+    def reduce(self) -> None:
+        """Every gradient summed or averaged over the groups that share it (module docstring). Collective."""
+        from megatron.core import parallel_state
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # every rank must bring every gradient to the collectives
+                p.grad = torch.zeros_like(p)
+        if self.tp_size > 1:
+            for name in self._tp_partial:
+                dist.all_reduce(self.params[name].grad, group=self.tp_group)
+        if self._shared is not None:  # d loss / d embedding = the input side's part + the output side's part
+            dist.all_reduce(self._shared.grad, group=parallel_state.get_embedding_group())
+        if self.dp_cp_size > 1:  # summed over CP (each rank's share of the tokens), averaged over DP
+            bucket, elements = [], 0
+            for k, p in enumerate(params):
+                bucket.append(p.grad)
+                elements += p.grad.numel()
+                if elements >= BUCKET_ELEMENTS or k == len(params) - 1:
+                    flat = torch.cat([g.reshape(-1) for g in bucket])
+                    dist.all_reduce(flat, group=self.dp_cp_group)
+                    flat /= self.dp_size
+                    for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                        g.copy_(part.view_as(g))
+                    bucket, elements = [], 0
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Global grad norm (module docstring; a 0-dim device tensor) and clipping. Per-tensor norms in one
+        multi-tensor kernel (fp32, as clip_grad_norm_), their squares summed in fp64: a few launches instead of
+        four per parameter. The clip coefficient stays on the device (no sync before the optimizer step)."""
+        grads: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # TP-split or not
+        for name, p in self.params.items():
+            if self._tied_copy and name == TIED_COPY.megatron:
+                continue  # counted on the first stage, as the embedding
+            grads[name in self._tp_split].append(p.grad.detach())
+
+        def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+            if not tensors:
+                return torch.zeros((), dtype=torch.float64, device=self.device)
+            return torch.stack(torch._foreach_norm(tensors)).double().pow(2).sum()
+
+        split, replicated = squares(grads[True]), squares(grads[False])
+        if self.tp_size > 1:
+            dist.all_reduce(split, group=self.tp_group)
+        total = split + replicated
+        if self.pp_size > 1:
+            dist.all_reduce(total, group=self.pp_group)
+        norm = total.sqrt()
+        if max_norm > 0:  # a coefficient of 1 multiplies exactly
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+            torch._foreach_mul_([p.grad for p in self.model.parameters()], coef)
+        return norm
