@@ -2,6 +2,9 @@
 replica and data parallelism (DP) across replicas; the backend protocol (train/backend.py), with the same semantics,
 for the policy (role="actor") and PPO's critic (role="critic").
 
+Mechanisms in their own modules: the pipeline schedule (pp > 1) in pipeline.py, gradient reduction, grad norm and
+clipping in gradients.py, checkpoint files in checkpoint.py.
+
 Ranks: world = tp x cp x pp x dp in megatron's order ("tp-cp-ep-dp-pp"): TP fastest, then CP, then DP, PP slowest
 (stage s holds ranks [s * tp * cp * dp, (s + 1) * tp * cp * dp)). TP, CP and PP peers see the same rows (TrainGroup
 deals rows by ``dp_rank``/``dp_size``) and report the same loss, logprobs and grad norm.
@@ -13,14 +16,10 @@ rank holds the whole sequence's K/V, one layer at a time). The last stage gather
 or values over CP, so every CP rank computes the same loss on the full [B, T]; a token budget
 (``train.max_tokens_per_gpu``) counts per GPU, so micro-batches pack cp times as many tokens.
 
-Pipeline (pp > 1): pipeline.py.
-
 Loss scaling (as FSDP, over DP ranks): the loss callable's micro-batch mean is scaled by
 units(micro) / units(global batch, summed over DP ranks) * dp_size; gradients are summed over micro-batches and
 averaged over the DP group, so the step equals one on the global-batch mean whatever the micro-batch split. CP
 ranks compute the same loss, but each one's backward covers only its own chunks' share of the gradient.
-
-Gradients and grad norm: gradients.py.
 
 Optimizer: megatron's DistributedOptimizer needs CUDA and megatron's own training loop state; this backend uses
 optim.py's AdamW over this rank's parameter shards (fp32 masters; bf16 compute on GPU: see Precision below); with
@@ -37,11 +36,6 @@ Critic (role="critic"): the same trunk with ``spec.ValueHead`` as the output lay
 
 Reference policy: this rank's initial parameter shards on the host, swapped in for ``policy="ref"``.
 
-Checkpoints: per (PP stage, TP rank), model and optimizer shards (written by the slot's rank with DP and CP rank
-0: CP and DP peers hold identical shards), scheduler and step, and every rank's RNG state; resume needs the same
-world size, tp and pp (cp and dp may be traded). To change tp or pp, export_hf and start a new run from the export
-(optimizer state is not carried).
-
 Precision and speed (a 0.5B model's step is ~1,200 short kernels): parameters are fp32 masters (the
 optimizer, gradient reduction, checkpoints, weight sync and the reference swap see only those); with bf16 on GPU
 the forward/backward run on ``precision.ComputeCopy``'s bf16 copies of this rank's shards (one multi-tensor copy in,
@@ -57,7 +51,6 @@ Not supported: expert parallelism (ep > 1: the families converted here are dense
 config validation for dense models, config/rules.py); ring attention or packed (THD) sequences under CP.
 """
 
-import json
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Iterator
@@ -70,7 +63,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss_units, micro_batches,
                                      predicting_positions, response_logprobs, response_values, to_device)
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.reference import host_copy, pinned, swapped_in
+from slime_hydra.train.reference import host_copy, swapped_in
+from slime_hydra.train.megatron import checkpoint
 from slime_hydra.train.megatron.context_parallel import gather_sequence, local_positions, padded_length, split_sequence
 from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_hf_weights, stage_parameters, stage_table
 from slime_hydra.train.megatron.gradients import Gradients
@@ -78,7 +72,7 @@ from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, 
                                               transformer_engine_available)
 from slime_hydra.train.megatron.pipeline import Pipeline
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from slime_hydra.train.backend import LossFn, TrainBackend, compile_mode, rng_state, set_rng_state
+from slime_hydra.train.backend import LossFn, TrainBackend, compile_mode
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.optim import build_optimizer
 
@@ -352,53 +346,13 @@ class MegatronBackend(TrainBackend):
         dist.barrier()
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
-
     def save(self, ckpt_dir: str | Path) -> None:
-        """Resumable checkpoint: this (PP stage, TP rank) slot's parameters, optimizer and reference shards;
-        scheduler, step; every rank's RNG."""
-        from megatron.core import tensor_parallel
-
-        ckpt_dir = Path(ckpt_dir)
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        rank = dist.get_rank()
-        if self.zero:  # every peer's share of the Adam state, gathered on the peer that writes (collective)
-            self.optimizer.consolidate_state_dict(to=0)
-        if self.dp_rank == 0 and self.cp_rank == 0:  # CP and DP peers hold the same shards
-            torch.save({"model": host_copy(self._local_shards()), "optim": self.optimizer.state_dict(),
-                        "ref": self._ref_shards}, ckpt_dir / self._slot_file)
-        torch.save({"rng": rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()},
-                   ckpt_dir / f"rank{rank}.pt")
-        if rank == 0:
-            (ckpt_dir / "trainer.json").write_text(json.dumps(
-                {"step": self.step, "scheduler": self.scheduler.state_dict(), "world": dist.get_world_size(),
-                 "tp": self.tp_size, "pp": self.pp_size, "cp": self.cp_size}))
-        dist.barrier()
+        """Resumable checkpoint (checkpoint.py): this (PP stage, TP rank) slot's parameters, optimizer and reference
+        shards; scheduler, step; every rank's RNG."""
+        checkpoint.save(self, ckpt_dir)
 
     def load(self, ckpt_dir: str | Path) -> None:
-        from megatron.core import tensor_parallel
-
-        ckpt_dir = Path(ckpt_dir)
-        meta = json.loads((ckpt_dir / "trainer.json").read_text())
-        saved = (meta["world"], meta["tp"], meta.get("pp", 1))  # cp may differ: CP and DP peers hold the same shards
-        if saved != (dist.get_world_size(), self.tp_size, self.pp_size):
-            raise ValueError(f"checkpoint {ckpt_dir} was saved by {saved[0]} ranks at tp={saved[1]} pp={saved[2]}; "
-                             f"this run has {dist.get_world_size()} ranks at tp={self.tp_size} pp={self.pp_size}")
-        shards = torch.load(ckpt_dir / self._slot_file, map_location="cpu", weights_only=False)
-        live = self._local_shards()
-        with torch.no_grad():
-            for name, tensor in shards["model"].items():
-                live[name].copy_(tensor)
-        self.optimizer.load_state_dict(shards["optim"])
-        self._ref_shards = pinned(shards["ref"])
-        self.scheduler.load_state_dict(meta["scheduler"])
-        self.step = meta["step"]
-        local = torch.load(ckpt_dir / f"rank{dist.get_rank()}.pt", weights_only=False)
-        set_rng_state(local["rng"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(local["tracker"])
-
-    @property
-    def _slot_file(self) -> str:
-        return f"pp{self.pp_rank}_tp{self.tp_rank}.pt"
+        checkpoint.load(self, ckpt_dir)
 
     # ---- reference swap ---------------------------------------------------------------------------------------
     def _local_shards(self) -> dict[str, torch.Tensor]:
