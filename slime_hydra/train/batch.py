@@ -113,6 +113,31 @@ def micro_batches(batch: TrainBatch, micro_batch_samples: int, max_tokens: int |
     return groups + [current]
 
 
+
+class BatchLogprobs:
+    """[B, T] logprobs (and entropy) of a whole batch, or a critic's values, filled micro-batch by micro-batch on
+    the device and copied to the host once: no device sync inside the micro-batch loop.
+
+        out = BatchLogprobs(batch, device, with_entropy)
+        for rows in micro_batches(...): out.put(rows, logp, entropy)   # the micro-batch's [b, t] outputs
+        logp, entropy = out.host()                                     # [B, T] on the host; entropy None without
+    """
+
+    def __init__(self, batch: TrainBatch, device: torch.device, with_entropy: bool):
+        self.device, self.with_entropy = device, with_entropy
+        self.logp = torch.zeros(batch.loss_mask.shape, device=device)
+        self.entropy = torch.zeros(batch.loss_mask.shape, device=device) if with_entropy else None
+
+    def put(self, rows: Sequence[int], logp: torch.Tensor, entropy: torch.Tensor | None) -> None:
+        """A micro-batch's outputs into its ``rows`` of the batch (fp32; columns past its longest response stay 0)."""
+        index = to_device(torch.tensor(rows), self.device)
+        self.logp[index, : logp.shape[1]] = logp.float()
+        if self.with_entropy:
+            self.entropy[index, : entropy.shape[1]] = entropy.float()
+
+    def host(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.logp.cpu(), (self.entropy.cpu() if self.with_entropy else None)
+
 def response_logprobs(logits: torch.Tensor, batch: TrainBatch, temperature: float = 1.0,
                       with_entropy: bool = False, first_position: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs (and entropy) of the response tokens, [B, T], 0 where loss_mask-padding.

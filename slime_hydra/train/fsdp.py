@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss_units, micro_batches,
-                                     response_logprobs, response_values, to_device)
+from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
+                                     micro_batches, response_logprobs, response_values)
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.backend import LossFn, TrainBackend, compile_mode, rng_state, set_rng_state
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
@@ -117,19 +117,14 @@ class FSDPBackend(TrainBackend):
         with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext(), \
                 self._computing():
             self.model.eval()
-            # filled on the device and copied once: no device sync inside the micro-batch loop
-            logp = torch.zeros(batch.loss_mask.shape, device=self.device)
-            ent = torch.zeros(batch.loss_mask.shape, device=self.device) if with_entropy else None
+            filled = BatchLogprobs(batch, self.device, with_entropy)
             for idx in micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu):
                 mb = batch.select(idx)
-                rows = to_device(torch.tensor(idx), self.device)
-                lp, en = self._forward(mb.to(self.device), first_predicting_position(mb), temperature, with_entropy)
-                logp[rows, : lp.shape[1]] = lp.float()
-                if with_entropy:
-                    ent[rows, : en.shape[1]] = en.float()
+                filled.put(idx, *self._forward(mb.to(self.device), first_predicting_position(mb), temperature,
+                                               with_entropy))
             if self.fsdp:
                 self.model.reshard()  # FSDP2 keeps the root's parameters unsharded after a forward without backward
-        return logp.cpu(), (ent.cpu() if with_entropy else None)
+        return filled.host()
 
     # ---- training ---------------------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float = 1.0,

@@ -60,8 +60,8 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from slime_hydra.train.batch import (TrainBatch, first_predicting_position, loss_units, micro_batches,
-                                     predicting_positions, response_logprobs, response_values, to_device)
+from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
+                                     micro_batches, predicting_positions, response_logprobs, response_values)
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.megatron import checkpoint
@@ -259,24 +259,18 @@ class MegatronBackend(TrainBackend):
         if policy == "ref" and self._ref_shards is None:
             raise ValueError("no reference policy kept: construct with keep_reference=True")
         with_entropy = with_entropy and self.head == "lm"
-        # filled on the device and copied once: no device sync inside the micro-batch loop
-        logp = torch.zeros(batch.loss_mask.shape, device=self.device)
-        ent = torch.zeros(batch.loss_mask.shape, device=self.device) if with_entropy else None
+        filled = BatchLogprobs(batch, self.device, with_entropy)
         groups = self._micro_batches(batch)
 
         def collect(k, mb, out):
-            lp, en = self._head(out, mb, temperature, with_entropy)
-            rows = to_device(torch.tensor(groups[k]), self.device)
-            logp[rows, : lp.shape[1]] = lp.float()
-            if with_entropy:
-                ent[rows, : en.shape[1]] = en.float()
+            filled.put(groups[k], *self._head(out, mb, temperature, with_entropy))
 
         with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext(), \
                 self._computing():
             self.model.eval()
             self.pipeline.run([batch.select(idx) for idx in groups], collect, backward=False)
-        return (self.pipeline.from_last_stage(logp.cpu()),
-                (self.pipeline.from_last_stage(ent.cpu()) if with_entropy else None))
+        logp, ent = filled.host()
+        return self.pipeline.from_last_stage(logp), (self.pipeline.from_last_stage(ent) if with_entropy else None)
 
     # ---- training ---------------------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float = 1.0,
