@@ -81,7 +81,7 @@ def send_weights(master_port: int, model_dir: str, world_size: int = 2, backend:
                  device: str = "cpu", group_name: str = "weight_update_group") -> None:
     """Trainer stand-in (run in its own process): host the weight-update group as rank 0, broadcast every tensor of
     ``model_dir`` (moved to ``device``) in sorted-name order, then wait for a line on stdin before leaving."""
-    from slime_hydra.rollout.engines.embedded import read_checkpoint
+    from slime_hydra.rollout.engines.embedded.server import read_checkpoint
     from slime_hydra.rollout.engines.weights import (
         destroy_weight_update_group, init_weight_update_group, send_named_tensors,
     )

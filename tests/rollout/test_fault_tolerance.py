@@ -24,7 +24,7 @@ import ray
 
 from slime_hydra.model.embedded import resolve_model_path
 from slime_hydra.rollout.client import SGLangClient
-from slime_hydra.rollout.engines.embedded import read_checkpoint
+from slime_hydra.rollout.engines.embedded.server import read_checkpoint
 from slime_hydra.rollout.engines.weights import dtype_name
 from tests.rollout.helpers import manager_config, start_manager
 

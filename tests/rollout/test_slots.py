@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from slime_hydra.rollout.engines.embedded import Engine
+from slime_hydra.rollout.engines.embedded.scheduler import Engine
 from slime_hydra.rollout.engines.slots import MIN_CAPACITY, SlotKV, slot_attention
 
 from .helpers import build_model, load, reference_greedy, reference_logprobs
@@ -31,7 +31,8 @@ def test_queued_growing_and_compacted_rows_match_plain_forwards(model_dir):
             reqs = [engine.make_request(p, {"temperature": 0, "max_new_tokens": m, "ignore_eos": True}, None, True,
                                         -1, 0, False) for p, (_, m) in zip(prompts, CASES)]
             engine.submit(reqs)
-            return await asyncio.gather(*(r.future for r in reqs)), engine.kv.capacity, engine.peak_running
+            outs = await asyncio.gather(*(r.future for r in reqs))
+            return outs, engine.runner.kv.capacity, engine.runner.peak_running
         finally:
             await engine.stop()
 

@@ -1,0 +1,100 @@
+"""The embedded engine: a transformers causal LM behind the subset of SGLang's native HTTP protocol slime_hydra uses.
+
+Run ``python -m slime_hydra.rollout.engines.embedded --model-path DIR --port P [--device cpu|cuda] [--dtype ...]
+[--max-batch-size N]``. ``DIR`` is a local HF checkpoint directory; its tokenizer is loaded when the directory has
+one (then ``text`` prompts, ``stop`` strings and response ``text`` work; without one, send ``input_ids``). The server
+binds 127.0.0.1 unless ``--host`` says otherwise. The rollout code talks to this server and to real SGLang servers
+the same way, through sglang-router, so field names and response shapes follow SGLang's.
+
+Endpoints
+---------
+``GET /health`` (200 once the model is loaded), ``GET /health_generate`` (runs a one-token generation),
+``GET /model_info`` | ``/get_model_info``, ``GET /server_info`` | ``/get_server_info``, ``GET /get_load``,
+``GET /get_weight_version``, ``POST /generate``, ``POST /abort_request``, ``GET|POST /flush_cache``,
+``POST /pause_generation``, ``POST /continue_generation``, ``POST /update_weights_from_disk``,
+``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``,
+``POST /destroy_weights_update_group``, ``POST /update_weights_from_tensor``, ``POST /release_memory_occupation``,
+``POST /resume_memory_occupation``.
+
+/generate
+---------
+One prompt (``input_ids: [int]`` or ``text: str``) or a batch (``input_ids: [[int]]`` or ``text: [str]``, answered
+with a list in the same order). ``sampling_params`` (a dict, or one dict per prompt): ``temperature`` (default 1.0;
+below 1e-6 means greedy), ``top_p``, ``top_k`` (-1 disables), ``min_p``, ``max_new_tokens`` (default 128; 0 only
+scores the prompt), ``stop`` (strings; need a tokenizer), ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``
+(a per-request generator: the same seed gives the same tokens whatever else shares the batch),
+``skip_special_tokens``, ``no_stop_trim``. SGLang parameters this engine does not implement (penalties,
+``min_new_tokens``, ``n`` > 1, constrained decoding, ``logit_bias``) are refused with 400 unless at their neutral
+value; unknown keys are refused too. Top level: ``rid`` (default: a fresh uuid), ``return_logprob``,
+``logprob_start_len`` (-1, the default, returns no prompt logprobs), ``top_logprobs_num``,
+``return_text_in_logprobs``. The fields sglang-router adds to every request it forwards are accepted.
+
+Each response is ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``, ``finish_reason``
+(``{"type": "length", "length": n}``, ``{"type": "stop", "matched": token_id | "string"}`` or
+``{"type": "abort", "message": ...}``), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` (always 0: no
+prefix cache), ``weight_version`` and ``e2e_latency``; with ``return_logprob``: ``output_token_logprobs`` as
+``[[logprob, token_id, None], ...]`` (the third item is the token's text with ``return_text_in_logprobs``),
+``input_token_logprobs`` (from ``logprob_start_len``; the first prompt token's logprob is None), and with
+``top_logprobs_num`` also ``output_top_logprobs`` / ``input_top_logprobs``.
+
+**Logprobs** are ``log_softmax(logits / temperature)`` at the token: the temperature-scaled distribution, before
+top-p / top-k / min-p truncation (what slime's trainer recomputes as ``logits / rollout_temperature``). Greedy
+requests (temperature 0) report the raw distribution (temperature 1). The output ids include the token that matched
+a stop/EOS condition, with its logprob. Finish checks follow SGLang's order: ``max_new_tokens`` first, then (unless
+``ignore_eos``, which disables both) EOS ids and ``stop_token_ids``, then stop strings, then the context length.
+EOS ids are the union of ``config.json``, ``generation_config.json`` and the tokenizer's.
+
+Batching
+--------
+A scheduler coroutine owns the running batch and calls the model from one worker thread, one model call per
+iteration: either the prefill of newly admitted requests (FIFO, up to ``--max-batch-size`` rows) or one decode step
+of the running batch, so new requests join at step boundaries and finished ones leave at once. Each running request
+owns a slot of a preallocated KV cache, written in place (``engines/slots.py``: layout, attention, memory). On CUDA
+the decode step is replayed from CUDA graphs, one per batch-size bucket, captured on first use
+(``--disable-cuda-graph`` runs it eagerly); on one H100 this takes a Qwen2.5-0.5B-shaped model from ~7.4k to ~33k
+generated tokens/s at 256 concurrent requests (docs/benchmarks.md). Under greedy decoding a request's tokens match
+running it alone (same numbers up to float summation order, checked against ``model.generate`` in the tests).
+
+Aborts, pausing, weight versions
+--------------------------------
+``/abort_request {"rid"}`` (or ``{"abort_all": true}``) ends a waiting or running request at the next step boundary
+with ``finish_reason.type == "abort"`` and the tokens generated so far; a client that disconnects aborts its request.
+``/pause_generation {"mode"}``: ``abort`` (default: abort everything, then hold new requests), ``in_place`` (running
+requests keep their KV cache and stop stepping) or ``retract`` (running requests drop their KV cache and go back to
+the queue with their tokens; continuing re-prefills prompt + tokens so far). ``/continue_generation`` resumes.
+
+``weight_version`` is a string, as in SGLang (``--weight-version``, default "0"). Every update request may set it
+(``weight_version``); ``/update_weights_from_disk`` without one bumps an integer version by one (a disk reload is a
+whole new policy), while tensor and distributed updates without one leave it alone (they may be one bucket of many,
+as in SGLang). An update waits until the running batch drains (new requests are held meanwhile) unless generation is
+paused in place, in which case it applies at once and the paused requests continue on the new weights; with
+``abort_all_requests`` it aborts them first. ``meta_info.weight_version`` is the version when the response was made.
+
+Weight transport: ``/update_weights_from_tensor`` takes ``serialized_named_tensors: [base64 safetensors]``, or with
+``load_format: "cuda_ipc"`` a JSON list of CUDA IPC handles to the trainer's buffers on the same GPU (see
+``engines/weights.py``; no pickle either way). ``/update_weights_from_distributed`` receives
+``names``/``dtypes``/``shapes`` broadcast from rank 0 of the group made by ``/init_weights_update_group``
+(``master_address``, ``master_port``, ``rank_offset``, ``world_size``, ``group_name``, ``backend``: gloo on CPU, nccl
+on GPU). Tensors may be any subset of
+the model's state dict (buckets); ``/update_weights_from_disk {"model_path"}`` must cover every weight.
+
+``/release_memory_occupation`` (needs an empty running batch: pause with ``abort`` or ``retract`` first) parks the
+weights: on CUDA they move to host memory and the GPU cache is emptied; on CPU the parameters are emptied and the
+same host tensors are kept (nothing is freed, the state machine is the same). While released, requests wait in the
+queue; weight updates write into the parked copy. ``/resume_memory_occupation`` puts the weights back. The
+``kv_cache`` tag frees the slot cache and ``cuda_graph`` the decode graphs; both come back with the next step (the
+graphs are captured again, as they are after any release of the weights: the parameters' storage moved).
+
+Modules
+-------
+Data flows one way: ``server`` -> ``scheduler`` -> ``runner`` -> ``sampling`` (and ``engines/slots.py``); ``protocol``
+is used by all of them and uses none.
+
+- ``protocol``: the request side of the protocol: ``SamplingParams``, ``Request``, ``RequestError``, a /generate body
+  -> Requests, a finished Request -> its response dict.
+- ``sampling``: next tokens and their logprobs from logits (temperature, top-k / top-p / min-p, seeded draws).
+- ``runner``: ``ModelRunner``, the model and all work on the model thread (prefill, decode, weights, memory).
+- ``scheduler``: ``Engine``, the queues and the coroutine that hands the runner one step or control operation at a time.
+- ``server``: the aiohttp routes (``build_app``) and ``read_checkpoint``.
+- ``__main__``: the command line.
+"""

@@ -1,0 +1,313 @@
+"""The model thread's side of the embedded engine: ``ModelRunner`` holds the model, its tokenizer, the running batch
+and its slot KV cache, and does all the work that touches them, on the engine's single model worker thread (the
+scheduler hands each call over at a step boundary).
+
+``step`` is the one model call of a scheduler iteration (package docstring, Batching): a prefill into the next free
+slots or a decode of every running row; each produced token is sampled (``sampling``), appended to its request and
+checked against the finish conditions, and finished rows leave the batch (``SlotKV.compact``). As control operations
+it loads weight updates (into the live parameters, or into the parked host copy while released), parks and restores
+the weights, and frees the slot cache and the decode graphs. It also keeps ``weight_version`` (the label of the loaded
+weights) and the process groups that distributed weight updates arrive through. It knows nothing of queues or HTTP.
+"""
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError
+from slime_hydra.rollout.engines.embedded.sampling import sample, score_prompt
+from slime_hydra.rollout.engines.slots import DecodeGraphs, SlotKV, register_attention
+from slime_hydra.rollout.engines.weights import destroy_weight_update_group
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def _bump(version: str) -> str:
+    return str(int(version) + 1) if version.lstrip("-").isdigit() else "1"
+
+
+class ModelRunner:
+    """A causal LM, its tokenizer and EOS ids, the running batch in its KV slots, and the weights' version label."""
+
+    def __init__(self, model_path: str, device: str, dtype: str, max_batch_size: int, context_length: Optional[int],
+                 tokenizer_path: Optional[str], weight_version: str, cuda_graph: bool):
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        from slime_hydra.model.hf import load_tokenizer
+
+        self.model_path = str(Path(model_path).resolve())
+        self.device = torch.device(device)
+        config = AutoConfig.from_pretrained(self.model_path)
+        self.dtype = self._resolve_dtype(dtype, config)
+        text = config.get_text_config()
+        for plain in ("final_logit_softcapping", "logit_scale"):
+            if getattr(text, plain, None) not in (None, 1.0):
+                raise ValueError(f"{config.model_type}: {plain}={getattr(text, plain)} is not implemented by the "
+                                 "embedded engine (its logits are the LM head's); serve this model with rollout=sglang")
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
+                                                          attn_implementation=register_attention())
+        self.model.to(self.device).eval().requires_grad_(False)
+        self._body, self._head = self.model.get_decoder(), self.model.get_output_embeddings()
+        self.config = self.model.config
+        self.vocab_size = int(text.vocab_size)
+        self.context_length = context_length or int(text.max_position_embeddings)
+
+        tok_dir = Path(tokenizer_path or self.model_path)
+        self.tokenizer = load_tokenizer(tok_dir) if _has_tokenizer(tok_dir) else None
+        self.tokenizer_path = str(tok_dir) if self.tokenizer is not None else None
+        eos = [self.config.eos_token_id]
+        if (Path(self.model_path) / "generation_config.json").exists():
+            eos.append(GenerationConfig.from_pretrained(self.model_path).eos_token_id)
+        if self.tokenizer is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(t for item in eos for t in (item if isinstance(item, (list, tuple)) else [item])
+                                 if isinstance(t, int))
+
+        self.weight_version = weight_version
+        self._tensors = self.model.state_dict(keep_vars=True)
+        """Name -> parameter/buffer (tied weights appear under each of their names) for loading updates."""
+        self._parked: Optional[dict[int, torch.Tensor]] = None
+        """While released: id(parameter) -> its host copy."""
+        self._groups: dict[str, Any] = {}
+
+        self.running: list[Request] = []
+        """The running batch: request b owns KV slot b."""
+        self.kv = SlotKV(self.config, max_batch_size, self.dtype, self.device, self.context_length)
+        self.graphs = (DecodeGraphs(self._decode_forward, max_batch_size)
+                       if cuda_graph and self.device.type == "cuda" else None)
+        self.kv.on_move = self._drop_graphs
+        self.peak_running = 0
+        """Most rows ever decoded together (shows that batching happened)."""
+
+    def _resolve_dtype(self, name: str, config) -> torch.dtype:
+        if name != "auto":
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        if self.device.type == "cpu":
+            return torch.float32
+        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(saved, str):
+            saved = getattr(torch, saved, None)
+        return saved if saved in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+
+    # -- weights and memory ----------------------------------------------------------------------------------------
+
+    @property
+    def released(self) -> bool:
+        return self._parked is not None
+
+    def load_weights(self, named: dict[str, torch.Tensor], complete: bool) -> None:
+        """Copy tensors into the model (or its parked copy); names/shapes are all checked before anything is copied.
+
+        complete: every weight must be given (a disk reload), counting tied weights once.
+        """
+        problems = []
+        for name, tensor in named.items():
+            target = self._tensors.get(name)
+            if target is None:
+                problems.append(f"unknown weight {name!r}")
+            elif tuple(tensor.shape) != tuple(self._shape(target)):
+                problems.append(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(self._shape(target))}")
+        if complete:
+            covered = {id(self._tensors[n]) for n in named if n in self._tensors}
+            missing = [n for n, t in self._tensors.items() if id(t) not in covered]
+            if missing:
+                problems.append(f"missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if problems:
+            raise RequestError("; ".join(problems[:16]))
+        with torch.no_grad():
+            for name, tensor in named.items():
+                target = self._tensors[name]
+                dest = self._parked[id(target)] if self._parked is not None and id(target) in self._parked else target
+                dest.copy_(tensor.to(dest.device))
+
+    def _shape(self, target: torch.Tensor) -> torch.Size:
+        if self._parked is not None and id(target) in self._parked:
+            return self._parked[id(target)].shape
+        return target.shape
+
+    def release(self, tags: list[str]) -> None:
+        """Free GPU memory by tag: ``weights`` parks them on the host, ``kv_cache`` frees the slot cache,
+        ``cuda_graph`` drops the decode graphs (the cache and graphs come back on the next step, the weights with
+        ``resume_weights``). Parking the weights drops the graphs too: the parameters' storage moves."""
+        if self.running:
+            raise RequestError(f"{len(self.running)} requests are paused in place with a KV cache; abort or retract "
+                               "them (pause_generation mode=abort|retract) before releasing memory")
+        if "cuda_graph" in tags or "weights" in tags:
+            self._drop_graphs()
+        if "kv_cache" in tags:
+            self.kv.free()
+        if "weights" in tags and self._parked is None:
+            parked = {}
+            for target in self._tensors.values():
+                if id(target) not in parked:  # non_blocking: lands in pinned host memory (torch's caching allocator)
+                    parked[id(target)] = target.data.to("cpu", non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            for target in self._tensors.values():
+                target.data = torch.empty(0, dtype=target.dtype, device=self.device)
+            self._parked = parked
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_weights(self) -> None:
+        if self._parked is None:
+            return
+        for target in self._tensors.values():
+            if id(target) in self._parked:
+                target.data = self._parked[id(target)].to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._parked = None
+
+    def set_version(self, version: Optional[str], bump: bool) -> None:
+        if version is not None:
+            self.weight_version = str(version)
+        elif bump:
+            self.weight_version = _bump(self.weight_version)
+
+    def check_new_group(self, name: str) -> None:
+        if name in self._groups:
+            raise RequestError(f"weight update group {name!r} exists; destroy it first")
+
+    def add_group(self, name: str, group) -> None:
+        self.check_new_group(name)
+        self._groups[name] = group
+
+    def group(self, name: str):
+        if name not in self._groups:
+            raise RequestError(f"no weight update group {name!r}; call /init_weights_update_group first "
+                               f"(groups: {sorted(self._groups)})")
+        return self._groups[name]
+
+    def drop_group(self, name: str) -> None:
+        destroy_weight_update_group(self.group(name))
+        del self._groups[name]
+
+    def leave_groups(self) -> None:
+        """Destroy every weight update group (the engine is stopping)."""
+        for group in self._groups.values():
+            destroy_weight_update_group(group)
+        self._groups.clear()
+
+    # -- steps -----------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, admit: list[Request]) -> list[Request]:
+        """Prefill the admitted requests into free slots, or (none admitted) decode one token for every row."""
+        if admit:
+            self._prefill(admit)
+            self.peak_running = max(self.peak_running, len(self.running))
+        else:
+            self._decode()
+        return self._drop_finished()
+
+    def _drop_finished(self) -> list[Request]:
+        done = [r for r in self.running if r.finish_reason is not None]
+        if done:
+            self._keep_rows([i for i, r in enumerate(self.running) if r.finish_reason is None])
+        return done
+
+    def drop_aborted(self) -> list[Request]:
+        """End the running requests marked aborted (finish_reason abort) and take them out of the batch."""
+        gone = [r for r in self.running if r.abort_message is not None and r.finish_reason is None]
+        for r in gone:
+            r.finish_reason = {"type": "abort", "message": r.abort_message}
+        self._keep_rows([i for i, r in enumerate(self.running) if r.finish_reason is None])
+        return gone
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        """Keep these rows of the running batch; the KV slots follow (SlotKV.compact)."""
+        running = self.running
+        kept = [running[i] if i < len(rows) else None for i in range(len(rows))]
+        for src, dst in self.kv.compact(rows):
+            kept[dst] = running[src]
+        self.running = kept
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        """Run prompt (+ tokens so far, for a retracted request) of each admitted request into the next free slots."""
+        seqs = [r.prompt_ids + r.output_ids for r in reqs]
+        lengths = [len(s) for s in seqs]
+        width = max(lengths)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s)  # right-padded: column p is position p
+        ids = ids.to(self.device)
+        start = len(self.running)
+        self.kv.reserve(width)
+        self.kv.prefill(start)
+        positions = torch.arange(width, device=self.device).expand(len(seqs), -1)
+        hidden = self._body(input_ids=ids, position_ids=positions, slot_kv=self.kv, use_cache=False).last_hidden_state
+        last = torch.tensor(lengths, device=self.device) - 1
+        logits = self._head(hidden[torch.arange(len(seqs), device=self.device), last]).float()
+        for i, r in enumerate(reqs):
+            if r.wants_input_logprobs:
+                score_prompt(r, self._head(hidden[i, :len(r.prompt_ids) - 1]).float())
+        tokens, chosen, logprobs, tops = sample(logits, reqs)
+        rows = slice(start, start + len(reqs))
+        self.kv.pos[rows] = torch.tensor(lengths, device=self.device)
+        self.kv.ids[rows] = tokens
+        for i, r in enumerate(reqs):
+            if r.params.max_new_tokens == 0:
+                r.finish_reason = {"type": "length", "length": 0}
+            else:
+                self._append(r, chosen[i], logprobs[i], tops[i] if tops else None)
+        self.running = self.running + list(reqs)
+
+    def _decode(self) -> None:
+        n = len(self.running)
+        self.kv.reserve(max(r.num_tokens for r in self.running))  # the newest token goes to column num_tokens - 1
+        logits = self.graphs.run(n) if self.graphs is not None else self._decode_forward(n)
+        self.kv.pos[:n] += 1
+        tokens, chosen, logprobs, tops = sample(logits, self.running)
+        self.kv.ids[:n] = tokens
+        for i, r in enumerate(self.running):
+            self._append(r, chosen[i], logprobs[i], tops[i] if tops else None)
+
+    def _decode_forward(self, n: int) -> torch.Tensor:
+        """Logits [n, vocab] (fp32) of the next token of slots 0..n-1 (what a CUDA graph captures)."""
+        self.kv.decode(n)
+        hidden = self._body(input_ids=self.kv.ids[:n, None], position_ids=self.kv.pos[:n, None], slot_kv=self.kv,
+                            use_cache=False).last_hidden_state
+        return self._head(hidden[:, -1]).float()
+
+    def _drop_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.drop()
+
+    def _append(self, r: Request, token: int, logprob: float, top) -> None:
+        r.output_ids.append(token)
+        if r.return_logprob:
+            r.output_logprobs.append(logprob)
+            if r.top_logprobs_num:
+                r.output_top.append(top)
+        p = r.params
+        if len(r.output_ids) >= p.max_new_tokens:
+            r.finish_reason = {"type": "length", "length": p.max_new_tokens}
+        elif not p.ignore_eos and (token in self.eos_ids or token in p.stop_token_ids):
+            r.finish_reason = {"type": "stop", "matched": token}
+        elif p.stop and self._match_stop(r):
+            pass
+        elif r.num_tokens >= self.context_length:
+            r.finish_reason = {"type": "length", "length": len(r.output_ids)}
+
+    def _match_stop(self, r: Request) -> bool:
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
+        hits = [(text.find(s), s) for s in r.params.stop if s in text]
+        if not hits:
+            return False
+        start, matched = min(hits)
+        r.finish_reason = {"type": "stop", "matched": matched}
+        r.text_end = start
+        return True
+
+    # -- descriptions ----------------------------------------------------------------------------------------------
+
+    def model_info(self) -> dict:
+        return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": self.weight_version,
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": getattr(self.config, "model_type", None),
+                "architectures": getattr(self.config, "architectures", None)}

@@ -1,0 +1,314 @@
+"""The embedded engine's scheduler: ``Engine`` takes requests from the HTTP handlers and decides, one step boundary at
+a time, what its ``ModelRunner`` does next on the model thread.
+
+State it owns: the waiting queue (FIFO), every live request by rid (waiting or running), pending control operations
+(weight updates, memory release/resume) and the flags that aborts, pauses and retracts leave for the next boundary.
+Each iteration of ``_schedule_forever`` does, in order: finish aborted requests, retract the batch if asked, run the
+first control operation if it may run now (a draining one waits for an empty batch unless generation is paused),
+otherwise admit waiting requests into free rows (none while a control operation waits) and run one step: a prefill if
+anything was admitted, else a decode of the batch. Nothing steps while generation is paused or the weights are
+released; with nothing to do it sleeps until woken. Finished requests are answered here (``protocol.response``); a
+failed step fails only the requests it touched, a scheduler error fails everything and turns /health to 503.
+"""
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError, SamplingParams, response
+from slime_hydra.rollout.engines.embedded.runner import ModelRunner
+
+logger = logging.getLogger("slime_hydra.engine")
+
+PAUSE_MODES = ("abort", "in_place", "retract")
+
+
+@dataclass
+class _Control:
+    """A model-thread operation the scheduler runs at a step boundary (weights, memory)."""
+    fn: Callable[[], Any]
+    drain: bool
+    """Wait until the running batch is empty, unless generation is paused in place."""
+    future: asyncio.Future
+
+
+class Engine:
+    """A ModelRunner behind a dynamic-batching scheduler; the HTTP layer (``build_app``) is a thin shell around it."""
+
+    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_batch_size: int = 64,
+                 context_length: Optional[int] = None, tokenizer_path: Optional[str] = None,
+                 weight_version: str = "0", host: str = "127.0.0.1", port: int = 0, cuda_graph: bool = True):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        self.runner = ModelRunner(model_path, device, dtype, max_batch_size, context_length, tokenizer_path,
+                                  weight_version, cuda_graph)
+        self.max_batch_size = max_batch_size
+        self.host, self.port = host, port
+        self.paused = False
+        self._waiting: deque[Request] = deque()
+        self._live: dict[str, Request] = {}
+        """Waiting and running requests by rid."""
+        self._controls: deque[_Control] = deque()
+        self._abort_pending = False
+        self._retract_pending = False
+        self._wake: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._dead: Optional[str] = None
+        self.generated_tokens = 0
+        self.started = time.time()
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._schedule_forever(), name="scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        # A step may still be running on the model thread: fail the futures, leave its batch alone.
+        self._fail_everything("engine shutting down", clear_batch=False)
+        self.runner.leave_groups()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and self._task is not None and not self._task.done()
+
+    @property
+    def dead_reason(self) -> Optional[str]:
+        """Why the scheduler stopped (None while it runs)."""
+        return self._dead
+
+    # -- requests --------------------------------------------------------------------------------------------------
+
+    def make_request(self, prompt, params: Optional[dict], rid: Optional[str], return_logprob: bool,
+                     logprob_start_len: int, top_logprobs_num: int, return_text_in_logprobs: bool) -> Request:
+        """Validate one prompt's fields (RequestError on any problem) and build its Request."""
+        runner = self.runner
+        if isinstance(prompt, str):
+            if runner.tokenizer is None:
+                raise RequestError("text prompts need a tokenizer in the model directory; send input_ids")
+            prompt_ids = list(runner.tokenizer.encode(prompt))
+        else:
+            prompt_ids = prompt
+        if not isinstance(prompt_ids, list) or not prompt_ids or not all(isinstance(t, int) for t in prompt_ids):
+            raise RequestError("input_ids must be a non-empty list of integers (or a list of such lists)")
+        bad = [t for t in prompt_ids if not 0 <= t < runner.vocab_size]
+        if bad:
+            raise RequestError(f"input_ids {bad[:8]} outside the vocabulary [0, {runner.vocab_size})")
+        if len(prompt_ids) >= runner.context_length:
+            raise RequestError(f"prompt of {len(prompt_ids)} tokens leaves no room in the context length "
+                               f"{runner.context_length}")
+        sampling = SamplingParams.from_dict(params)
+        if sampling.stop and runner.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer in the model directory; use stop_token_ids")
+        if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
+            raise RequestError(f"logprob_start_len={logprob_start_len!r} must be an integer >= -1")
+        if logprob_start_len >= len(prompt_ids):
+            raise RequestError(f"logprob_start_len={logprob_start_len} must be below the prompt length "
+                               f"{len(prompt_ids)}")
+        if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
+            raise RequestError(f"top_logprobs_num={top_logprobs_num!r} must be an integer >= 0")
+        rid = uuid.uuid4().hex if rid is None else rid
+        if not isinstance(rid, str) or not rid:
+            raise RequestError(f"rid={rid!r} must be a non-empty string")
+        if rid in self._live:
+            raise RequestError(f"rid {rid!r} is already running")
+        generator = None
+        if sampling.sampling_seed is not None:
+            generator = torch.Generator(device=runner.device).manual_seed(sampling.sampling_seed)
+        return Request(rid, prompt_ids, sampling, bool(return_logprob), logprob_start_len,
+                       min(top_logprobs_num, runner.vocab_size), bool(return_text_in_logprobs), generator)
+
+    def submit(self, reqs: list[Request]) -> None:
+        if not self.healthy:
+            raise RuntimeError(f"engine scheduler is down: {self._dead}")
+        seen = set()
+        for r in reqs:
+            if r.rid in self._live or r.rid in seen:
+                raise RequestError(f"rid {r.rid!r} is already running")
+            seen.add(r.rid)
+        for r in reqs:
+            self._live[r.rid] = r
+            self._waiting.append(r)
+        self._wake.set()
+
+    def abort(self, rid: Optional[str] = None, abort_all: bool = False, message: str = "aborted by request") -> int:
+        """Mark requests to end at the next step boundary; return how many were marked."""
+        targets = list(self._live.values()) if abort_all else [self._live[rid]] if rid in self._live else []
+        for r in targets:
+            if r.abort_message is None and r.finish_reason is None:
+                r.abort_message = message
+        if targets:
+            self._abort_pending = True
+            self._wake.set()
+        return len(targets)
+
+    def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"mode={mode!r}; choose one of {PAUSE_MODES}")
+        self.paused = True
+        if mode == "abort":
+            self.abort(abort_all=True, message="aborted by pause_generation")
+        elif mode == "retract":
+            self._retract_pending = True  # the batch belongs to the model thread until the step boundary
+        self._wake.set()
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wake.set()
+
+    def load(self) -> dict:
+        running = self.runner.running
+        tokens = sum(r.num_tokens for r in running)
+        running = len(running)
+        return {"dp_rank": 0, "num_reqs": running + len(self._waiting), "num_waiting_reqs": len(self._waiting),
+                "num_tokens": tokens}
+
+    # -- control operations (weights, memory) ----------------------------------------------------------------------
+
+    async def control(self, fn: Callable[[], Any], drain: bool) -> Any:
+        """Run ``fn`` on the model thread at a step boundary (after the batch drains when ``drain``)."""
+        if not self.healthy:
+            raise RuntimeError(f"engine scheduler is down: {self._dead}")
+        op = _Control(fn, drain, asyncio.get_running_loop().create_future())
+        self._controls.append(op)
+        self._wake.set()
+        return await op.future
+
+    # -- the scheduler ---------------------------------------------------------------------------------------------
+
+    async def _schedule_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._wake.clear()
+                if self._abort_pending:
+                    await self._reap_aborted(loop)
+                if self._retract_pending:
+                    self._retract()
+                if self._controls and self._control_may_run():
+                    await self._run_control(loop, self._controls.popleft())
+                    continue
+                # A waiting control op (a weight update) lets the batch drain: nothing new is admitted meanwhile.
+                stepping = not self.paused and not self.runner.released
+                admit = []
+                if stepping and not self._controls:
+                    room = self.max_batch_size - len(self.runner.running)
+                    while self._waiting and len(admit) < room:
+                        admit.append(self._waiting.popleft())
+                if admit or (stepping and self.runner.running):
+                    await self._run_step(loop, admit)
+                    continue
+                await self._wake.wait()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a scheduler bug must surface as failed requests and a failing /health
+            logger.exception("scheduler stopped")
+            self._dead = f"{type(exc).__name__}: {exc}"
+            self._fail_everything(f"engine scheduler stopped: {self._dead}")
+
+    def _retract(self) -> None:
+        """Running requests go back to the queue front with their tokens; re-admission prefills prompt + tokens."""
+        self._retract_pending = False
+        self._waiting.extendleft(reversed(self.runner.running))
+        self.runner.running = []
+
+    def _control_may_run(self) -> bool:
+        op = self._controls[0]
+        return not op.drain or not self.runner.running or self.paused
+
+    async def _run_control(self, loop, op: _Control) -> None:
+        try:
+            result = await loop.run_in_executor(self._executor, op.fn)
+        except Exception as exc:
+            if not op.future.done():
+                op.future.set_exception(exc)
+        else:
+            if not op.future.done():
+                op.future.set_result(result)
+
+    async def _run_step(self, loop, admit: list[Request]) -> None:
+        try:
+            finished = await loop.run_in_executor(self._executor, self.runner.step, admit)
+        except Exception as exc:
+            # The step's tensors are in an unknown state: fail the requests it touched, keep serving the rest.
+            logger.exception("model step failed")
+            victims = admit + self.runner.running
+            self.runner.running = []
+            for r in victims:
+                self._fail(r, f"model step failed: {type(exc).__name__}: {exc}")
+            return
+        for r in finished:
+            self._complete(r)
+
+    async def _reap_aborted(self, loop) -> None:
+        self._abort_pending = False
+        kept = deque()
+        for r in self._waiting:
+            if r.abort_message is not None:
+                r.finish_reason = {"type": "abort", "message": r.abort_message}
+                self._complete(r)
+            else:
+                kept.append(r)
+        self._waiting = kept
+        if any(r.abort_message is not None for r in self.runner.running):
+            gone = await loop.run_in_executor(self._executor, self.runner.drop_aborted)
+            for r in gone:
+                self._complete(r)
+
+    def _complete(self, r: Request) -> None:
+        self._live.pop(r.rid, None)
+        self.generated_tokens += len(r.output_ids)
+        if not r.future.done():
+            r.future.set_result(response(r, self.runner.tokenizer, self.runner.weight_version))
+
+    def _fail(self, r: Request, message: str) -> None:
+        self._live.pop(r.rid, None)
+        if not r.future.done():
+            r.future.set_exception(RuntimeError(message))
+
+    def _fail_everything(self, message: str, clear_batch: bool = True) -> None:
+        for r in list(self._live.values()):
+            self._fail(r, message)
+        self._waiting.clear()
+        if clear_batch:
+            self.runner.running = []
+        while self._controls:
+            op = self._controls.popleft()
+            if not op.future.done():
+                op.future.set_exception(RuntimeError(message))
+
+    # -- descriptions ----------------------------------------------------------------------------------------------
+
+    def server_info(self) -> dict:
+        runner = self.runner
+        elapsed = max(time.time() - self.started, 1e-9)
+        memory = {}
+        if runner.device.type == "cuda":
+            memory["memory_allocated_bytes"] = torch.cuda.memory_allocated(runner.device)
+        return {**memory, "engine": "slime_hydra.embedded", "model_path": runner.model_path,
+                "tokenizer_path": runner.tokenizer_path, "served_model_name": runner.model_path, "host": self.host,
+                "port": self.port, "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+                "torch_threads": torch.get_num_threads(), "tp_size": 1, "dp_size": 1,
+                "max_running_requests": self.max_batch_size, "context_length": runner.context_length,
+                "skip_tokenizer_init": runner.tokenizer is None, "weight_version": runner.weight_version,
+                "paused": self.paused, "memory_released": runner.released, "cuda_graph": runner.graphs is not None,
+                "cuda_graph_captures": runner.graphs.captures if runner.graphs is not None else 0,
+                "kv_capacity_tokens": runner.kv.capacity,
+                "internal_states": [{"generated_tokens": self.generated_tokens,
+                                     "peak_running_reqs": runner.peak_running,
+                                     "avg_gen_throughput": self.generated_tokens / elapsed, **self.load()}]}
