@@ -1,5 +1,6 @@
-"""The embedded engine's slot KV cache (engines/slots.py), driven in-process: more requests than slots, prompts that
-make the cache grow, requests finishing at different steps (rows compacted), all against plain HF forwards."""
+"""The embedded engine's slot KV cache (engines/embedded/slots.py), driven in-process: more requests than slots,
+prompts that make the cache grow, requests finishing at different steps (rows compacted), all against plain HF
+forwards."""
 
 import asyncio
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from slime_hydra.rollout.engines.embedded.scheduler import Engine
-from slime_hydra.rollout.engines.slots import MIN_CAPACITY, SlotKV, slot_attention
+from slime_hydra.rollout.engines.embedded.slots import MIN_CAPACITY, SlotKV, slot_attention
 
 from .helpers import build_model, load, reference_greedy, reference_logprobs
 

@@ -49,7 +49,7 @@ Batching
 A scheduler coroutine owns the running batch and calls the model from one worker thread, one model call per
 iteration: either the prefill of newly admitted requests (FIFO, up to ``--max-batch-size`` rows) or one decode step
 of the running batch, so new requests join at step boundaries and finished ones leave at once. Each running request
-owns a slot of a preallocated KV cache, written in place (``engines/slots.py``: layout, attention, memory). On CUDA
+owns a slot of a preallocated KV cache, written in place (``slots.py``: layout, attention, memory). On CUDA
 the decode step is replayed from CUDA graphs, one per batch-size bucket, captured on first use
 (``--disable-cuda-graph`` runs it eagerly); on one H100 this takes a Qwen2.5-0.5B-shaped model from ~7.4k to ~33k
 generated tokens/s at 256 concurrent requests (docs/benchmarks.md). Under greedy decoding a request's tokens match
@@ -87,12 +87,13 @@ graphs are captured again, as they are after any release of the weights: the par
 
 Modules
 -------
-Data flows one way: ``server`` -> ``scheduler`` -> ``runner`` -> ``sampling`` (and ``engines/slots.py``); ``protocol``
-is used by all of them and uses none.
+Data flows one way: ``server`` -> ``scheduler`` -> ``runner`` -> ``sampling`` (and ``slots``); ``protocol`` is used by
+all of them and uses none.
 
 - ``protocol``: the request side of the protocol: ``SamplingParams``, ``Request``, ``RequestError``, a /generate body
   -> Requests, a finished Request -> its response dict.
 - ``sampling``: next tokens and their logprobs from logits (temperature, top-k / top-p / min-p, seeded draws).
+- ``slots``: the slot KV cache, the attention that uses it, and the decode CUDA graphs.
 - ``runner``: ``ModelRunner``, the model and all work on the model thread (prefill, decode, weights, memory).
 - ``scheduler``: ``Engine``, the queues and the coroutine that hands the runner one step or control operation at a time.
 - ``server``: the aiohttp routes (``build_app``) and ``read_checkpoint``.
