@@ -8,7 +8,7 @@
 # that answers from `squeue -t all` (no accounting database here: with the real sacct failing, submitit would
 # see every job as UNKNOWN and wait forever on one that died without a result). Clients find the cluster through
 # SLURM_CONF and that bin/ first on PATH: `source STATE_DIR/env.sh` (tests/slurm/conftest.py does it for pytest).
-# Installs slurmctld/slurmd/slurm-client/munge from Debian when missing. Facts: shared/notes/ENVIRONMENT.md.
+# Installs slurmctld/slurmd/slurm-client/munge from Debian when missing. Facts: docs/slurm.md.
 set -euo pipefail
 STATE=${1:-${SLIME_HYDRA_SLURM_STATE:-/tmp/slime_hydra_slurm}}
 HERE=$(cd "$(dirname "$0")" && pwd)

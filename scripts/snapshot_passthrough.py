@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Regenerate the pinned option snapshots that ``slime_hydra.config.passthrough`` checks against.
+"""Regenerate the pinned option snapshots that ``slime_hydra.config.passthrough and slime_hydra.rollout.engines.sglang`` checks against.
 
-Two files under ``slime_hydra/config/snapshots/``:
+Two files under ``slime_hydra/snapshots/``:
 
 ``sglang_server_args.json`` -- every field of ``sglang.srt.server_args.ServerArgs`` (SGLang 0.5.23).
     Read from the SGLang wheel, never installed and never imported (it pins its own torch):
@@ -72,7 +72,7 @@ SGLANG_VERSION = "0.5.23"
 MEGATRON_REF = "core_v0.16.1"
 MEGATRON_CORE_VERSION = "0.16.1"
 GENERATED_BY = "scripts/snapshot_passthrough.py"
-OUT_DIR = Path(__file__).resolve().parent.parent / "slime_hydra" / "config" / "snapshots"
+OUT_DIR = Path(__file__).resolve().parent.parent / "slime_hydra" / "snapshots"
 
 _MISSING = object()
 

@@ -6,7 +6,7 @@ Layout (``k`` = rollout steps completed)::
         actor/            the trainer's resumable checkpoint (model, optimizer, scheduler, RNG, step; backend's own)
         critic/           PPO only
         rollout.json      the prompt cursor and the buffer (RolloutManager.state_dict)
-        loop.json         {"step": k, "weight_version": v, "next_rollout": ... | null}
+        loop.json         {"step": k, "next_rollout": ... | null}  (the engines' weight version after a resume is k)
     <run_dir>/checkpoints/latest     the name of the newest complete checkpoint
 
 ``latest`` is written (atomically: temp file + rename) only after everything else, so a crash during a save

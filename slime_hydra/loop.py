@@ -2,7 +2,7 @@
 
     run(cfg, run_dir)          what ``python launch.py`` does after validation (and a SLURM job on its rank 0)
 
-Who does what (DESIGN.md):
+Who does what (docs/architecture.md has the whole map):
 
 - Ray places one bundle per GPU (``{GPU: 1, CPU: 1}``; ``{CPU: 1}`` per role process on a CPU-only machine).
   Training ranks take the first ``train.num_gpus`` bundles; engines take the next ``rollout.num_gpus``
@@ -11,8 +11,8 @@ Who does what (DESIGN.md):
   critic for PPO).
 - ``RolloutManager`` (rollout/manager.py), an async Ray actor: router, engines, prompt source, buffer, rewards,
   eval sets. ``generate_batch`` returns a full training batch of scored, filtered samples.
-- Weight sync (weight_sync.py): every ``sync_every_steps`` steps the trainer pushes its weights to the engines
-  as version = rollout steps trained.
+- Weight sync (train/weight_sync.py): every ``sync_every_steps`` steps the trainer pushes its weights to the
+  engines as version = rollout steps trained.
 
 One step in sync mode: the engines generate a batch with the current weights; the trainer computes old (and
 reference) logprobs, advantages, then takes ``optimizer_steps_per_rollout`` optimizer steps on consecutive
@@ -26,12 +26,13 @@ parameters and optimizer state go to the host while the engines generate, the en
 host while the trainer works, and both hold theirs for the weight sync (``hand_gpus_to``; CUDA IPC, no copy
 through the host).
 
-Phase times go to ``perf/<phase>_time`` (s): rollout (generate + reward, concurrent), logprobs (old + ref
-forward), train, sync, offload (colocated memory moves), eval, checkpoint, and step; ``perf/overhead_time`` is the
-step time not in any phase.
+Every phase runs inside ``timer.phase(<name>)`` (tracking/phases.py), which writes ``perf/<name>_time`` (s):
+rollout (the wait for a scored batch), offload (colocated memory moves), logprobs (old + ref forward, values),
+train, weight_sync, eval, checkpoint; plus ``perf/step_time`` and ``perf/overhead_time`` (the step time not in any
+phase).
 
 Checkpoints (checkpoint.py): every ``save_every_steps`` steps, at the end, and when SIGTERM, SIGUSR1 or SIGUSR2
-arrives (launch/preempt.py records it; the step in progress finishes, the checkpoint is written, and ``run``
+arrives (preempt.py records it; the step in progress finishes, the checkpoint is written, and ``run``
 returns ``"preempted"``; a SLURM job then requeues itself, launch/submit.py). With
 ``resume=auto`` a restarted run continues from the newest checkpoint: the trainer state, the prompt cursor, the
 buffer, the tracking step and, in async mode, the rollout that was already generated for the next step.
@@ -43,25 +44,24 @@ no engine.
 
 import json
 import os
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from slime_hydra import preempt
 from slime_hydra.buffer.sample import Sample
 from slime_hydra.checkpoint import checkpoint_dir, find_resume, mark_latest, write_json
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.schema import SlimeConfig
-from slime_hydra.launch import preempt
-from slime_hydra.model.embedded import resolve_model_path
 from slime_hydra.model.hf import load_tokenizer
+from slime_hydra.model.warm_start import resolve_model_path
+from slime_hydra.tracking.phases import StepTimer
 from slime_hydra.tracking.progress import ProgressView
 from slime_hydra.tracking.tracker import Tracker
 from slime_hydra.train.objectives import ActorLoss, CriticLoss
 from slime_hydra.train.prepare import add_advantages, needs_old_logprobs, to_train_batch
-from slime_hydra.weight_sync import choose_method
 
 
 def run(cfg: SlimeConfig, run_dir: Path) -> str:
@@ -87,6 +87,8 @@ class Session:
         self.debug = cfg.debug.mode
         self.trainer = self.critic = self.manager = self.pg = self.tracker = None
         self.engine_urls: list[str] = []
+        tokenizer = load_tokenizer(model_path)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.resume_from = find_resume(cfg.resume, run_dir)
         self.placement()
         if self.debug != "rollout_only":
@@ -94,14 +96,14 @@ class Session:
         if self.debug != "train_only":
             self.start_rollout()
         if self.trainer is not None and self.manager is not None:
-            method = choose_method(cfg.train.weight_sync, cfg.cluster.colocate, cfg.rollout.backend)
-            self.trainer.connect_rollout(method, self.manager, cfg.train.weight_sync_bucket_mb, str(run_dir))
+            self.trainer.connect_rollout(d.weight_sync, self.manager, cfg.train.weight_sync_bucket_mb, str(run_dir),
+                                         d.engine_dtype)
         self.step, self.next_rollout = 0, None
         self.gpu_holder = "both"  # colocated on GPUs: who holds the GPU memory now (see hand_gpus_to)
         self.trainer_gpu_bytes: dict[str, float] = {}
         if self.resume_from is not None:
             self.load(self.resume_from)
-        self.tracker = Tracker(cfg.tracking, run_dir, run_dir.name, _flat_config(cfg),
+        self.tracker = Tracker(cfg.tracking, run_dir, run_dir.name, asdict(cfg),
                                resume_step=self.step - 1 if self.resume_from is not None else None)
 
     # ---- set-up --------------------------------------------------------------------------------------------------
@@ -125,13 +127,12 @@ class Session:
 
         cfg, d = self.cfg, self.d
         total = cfg.num_steps * d.optimizer_steps_per_rollout
-        keep_ref = cfg.algo.kl_loss_coef > 0 or cfg.algo.kl_coef > 0
         share = 0.5 if cfg.cluster.colocate else 1.0  # colocated engines take the other half of each bundle
         gpus = share if self.on_gpu else 0.0
         self.trainer = TrainGroup(self.pg, cfg.train.num_gpus, cfg.train.backend, self.model_path, cfg.train, total,
-                                  cfg.algo.loss_agg, keep_ref, gpus_per_rank=gpus, cpus_per_rank=1.0,
+                                  cfg.algo.loss_agg, cfg.algo.needs_reference, gpus_per_rank=gpus, cpus_per_rank=1.0,
                                   torch_threads=self.cpu_threads)
-        if cfg.algo.advantage_estimator == "gae":
+        if cfg.algo.needs_critic:
             self.critic = TrainGroup(self.pg, cfg.train.num_gpus, cfg.train.backend, self.model_path, cfg.train,
                                      total, cfg.algo.loss_agg, False, gpus_per_rank=gpus / 2 if gpus else 0.0,
                                      role="critic", cpus_per_rank=0.0)
@@ -144,12 +145,11 @@ class Session:
 
         cfg, d = self.cfg, self.d
         first = 0 if cfg.cluster.colocate else d.train_gpus
-        dtype = "bfloat16" if self.on_gpu and cfg.train.dtype == "bf16" else "float32"  # = weight_sync.engine_dtype
         sglang = None
         if cfg.rollout.backend == "sglang":
             from slime_hydra.rollout.engines.sglang import launch_for
 
-            sglang = launch_for(cfg, str(self.model_path))
+            sglang = launch_for(cfg, d.engine_dtype, str(self.model_path))
         tp = cfg.rollout.gpus_per_engine
         gpu_ids = engine_gpu_ids(self.pg, first, d.num_engines, tp) if self.on_gpu else [None] * d.num_engines
         engines = []
@@ -157,7 +157,7 @@ class Session:
             gpus = (0.5 if cfg.cluster.colocate else 1.0) if self.on_gpu else 0.0
             place = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=first + i * tp)
             actor = ray.remote(EngineActor).options(num_cpus=0, num_gpus=gpus, scheduling_strategy=place)
-            engines.append(actor.remote(i, str(self.model_path), str(self.run_dir / "logs"), dtype=dtype,
+            engines.append(actor.remote(i, str(self.model_path), str(self.run_dir / "logs"), dtype=d.engine_dtype,
                                         max_batch_size=cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt,
                                         torch_threads=self.cpu_threads, sglang=sglang, gpu_ids=gpu_ids[i]))
         self.manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
@@ -170,31 +170,31 @@ class Session:
         progress = ProgressView(cfg.num_steps, self.step, enabled=cfg.tracking.progress)
         with progress:
             if self.step == 0 and self._eval_due(0):
-                self.tracker.log(0, self.evaluate())
+                timer = StepTimer()
+                with timer.phase("eval"):
+                    metrics = self.evaluate()
+                self.tracker.log(0, {**metrics, "perf/eval_time": timer.times["eval"]})
             while self.step < cfg.num_steps:
-                step_start = time.monotonic()
-                step = self.step
-                metrics = {"perf/offload_time": self.hand_gpus_to("engines")}  # colocated GPUs: memory moves
-                metrics.update(self.rollout_phase(step))                     # generate -> score -> filter
-                samples = metrics.pop("_samples")
+                step, timer = self.step, StepTimer()
+                self.hand_gpus_to("engines", timer)                          # colocated GPUs: memory moves
+                with timer.phase("rollout"):
+                    samples, metrics = self.rollout_phase(step)              # generate -> score -> filter
                 if self.trainer is not None:
-                    metrics["perf/offload_time"] += self.hand_gpus_to("trainer")
-                    metrics.update(self.train_phase(samples))               # old/ref logprobs -> advantages -> train
+                    self.hand_gpus_to("trainer", timer)
+                    metrics.update(self.train_phase(samples, timer))        # old/ref logprobs -> advantages -> train
                     if (step + 1) % cfg.sync_every_steps == 0 and self.manager is not None:
-                        metrics["perf/offload_time"] += self.hand_gpus_to("both")
-                        metrics.update(self.trainer.push_weights(step + 1))  # sync: engines get version step + 1
+                        self.hand_gpus_to("both", timer)
+                        with timer.phase("weight_sync"):
+                            metrics.update(self.trainer.push_weights(step + 1))  # engines get version step + 1
                 self.step = step + 1
                 if self._eval_due(self.step):
-                    metrics.update(self.evaluate())                          # eval
+                    with timer.phase("eval"):
+                        metrics.update(self.evaluate())
                 if self._save_due() or preempt.requested():
-                    metrics["perf/checkpoint_time"] = self.save()           # checkpoint
-                if not metrics["perf/offload_time"]:  # nothing moves unless colocated on GPUs
-                    del metrics["perf/offload_time"]
+                    with timer.phase("checkpoint"):
+                        self.save()
                 metrics.update({f"perf/trainer_gpu_gb_{k}": v / 2**30 for k, v in self.trainer_gpu_bytes.items()})
-                metrics["perf/step_time"] = time.monotonic() - step_start
-                metrics["perf/overhead_time"] = metrics["perf/step_time"] - sum(
-                    v for k, v in metrics.items() if k.startswith("perf/") and k.endswith("_time")
-                    and k not in ("perf/step_time", "perf/overhead_time"))
+                metrics.update(timer.metrics())
                 self.tracker.log(step, metrics)                              # track
                 progress.update(step, metrics)
                 if preempt.requested() and self.step < cfg.num_steps:
@@ -203,36 +203,33 @@ class Session:
             self.save()
         return "done"
 
-    def hand_gpus_to(self, holder: str) -> float:
+    def hand_gpus_to(self, holder: str, timer: StepTimer) -> None:
         """Colocated on GPUs, trainer and engines take turns with the memory (slime's offload): "engines" (the
         trainer's parameters and optimizer state go to the host; the engines resume) while generating, "trainer"
         (the engines park their weights on the host) while training, "both" for the weight sync. Elsewhere
-        nothing moves. Returns the seconds it took; the trainer's GPU memory after the move (bytes, the largest
+        nothing moves. Timed as the ``offload`` phase; the trainer's GPU memory after the move (bytes, the largest
         rank) is kept in ``self.trainer_gpu_bytes[holder]`` for tracking."""
         active = self.cfg.cluster.colocate and self.on_gpu and None not in (self.trainer, self.manager)
         if not active or holder == self.gpu_holder:
-            return 0.0
-        start = time.monotonic()
-        groups = [g for g in (self.trainer, self.critic) if g is not None]
-        if holder == "engines":
-            held = [b for g in groups for b in g.call("offload")]
-            ray.get(self.manager.resume_memory.remote())
-        else:
-            if holder == "trainer":
-                ray.get(self.manager.release_memory.remote())
-            held = [b for g in groups for b in g.call("onload")]
-            if holder == "both":
+            return
+        with timer.phase("offload"):
+            groups = [g for g in (self.trainer, self.critic) if g is not None]
+            if holder == "engines":
+                held = [b for g in groups for b in g.call("offload")]
                 ray.get(self.manager.resume_memory.remote())
+            else:
+                if holder == "trainer":
+                    ray.get(self.manager.release_memory.remote())
+                held = [b for g in groups for b in g.call("onload")]
+                if holder == "both":
+                    ray.get(self.manager.resume_memory.remote())
         self.gpu_holder = holder
         self.trainer_gpu_bytes[holder] = max(held)
-        return time.monotonic() - start
 
-    def rollout_phase(self, step: int) -> dict:
-        """This step's samples (under "_samples") and rollout metrics; in async mode also starts the next rollout."""
+    def rollout_phase(self, step: int) -> tuple[list[Sample], dict]:
+        """This step's samples and rollout metrics; in async mode also starts the next rollout."""
         if self.debug == "train_only":
-            start = time.monotonic()
-            samples = load_saved_rollout(Path(self.cfg.debug.rollout_path), step)
-            return {"_samples": samples, "perf/rollout_time": time.monotonic() - start}
+            return load_saved_rollout(Path(self.cfg.debug.rollout_path), step), {}
         future = self.next_rollout if self.next_rollout is not None else self.manager.generate_batch.remote()
         self.next_rollout = None
         result = ray.get(future)
@@ -241,51 +238,40 @@ class Session:
         if self.cfg.debug.save_rollouts:
             save_rollout(self.run_dir / "rollouts", step, result["samples"])
         metrics = dict(result["metrics"])
-        metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["perf/rollout_time"], 1e-9)
         samples = [Sample.from_dict(s) for s in result["samples"]]
         # the trainer's policy is version `step` (rollout steps trained); how far behind the oldest sample is
         metrics["rollout/weight_version_lag"] = float(step - min(s.weight_version for s in samples))
-        metrics["_samples"] = samples
-        return metrics
+        return samples, metrics
 
-    def train_phase(self, samples: list[Sample]) -> dict:
+    def train_phase(self, samples: list[Sample], timer: StepTimer) -> dict:
         """Old/ref logprobs and values, advantages, then the optimizer steps of one rollout batch."""
         cfg, algo = self.cfg, self.cfg.algo
-        start = time.monotonic()
-        tokenizer_pad = self.pad_id
-        batch = to_train_batch(samples, tokenizer_pad, cfg.reward.reward_key)
-        temperature = cfg.rollout.temperature
-        old = (self.trainer.logprobs(batch, "current", temperature)[0]
-               if needs_old_logprobs(algo, self.d.optimizer_steps_per_rollout) else None)
-        ref = self.trainer.logprobs(batch, "ref", temperature)[0] if (algo.kl_loss_coef or algo.kl_coef) else None
-        values = self.critic.logprobs(batch)[0] if self.critic is not None else None
-        add_advantages(batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values)
-        metrics = {"perf/logprobs_time": time.monotonic() - start}
-        start = time.monotonic()
-        actor_loss = ActorLoss(algo, cfg.rollout.max_response_tokens)
-        sums: dict[str, float] = {}
-        size = self.d.global_batch_samples
-        for k in range(self.d.optimizer_steps_per_rollout):
-            mini = batch.select(list(range(k * size, min((k + 1) * size, batch.size))))
-            step_metrics = self.trainer.train_step(mini, actor_loss, temperature, with_entropy=True)
-            if self.critic is not None:
-                critic_metrics = self.critic.train_step(mini, CriticLoss(algo, cfg.rollout.max_response_tokens))
-                step_metrics.update({f"critic_{k}" if k in ("grad_norm", "lr") else k: v
-                                     for k, v in critic_metrics.items()})
-            for name, value in step_metrics.items():
-                sums[name] = sums.get(name, 0.0) + float(value) / self.d.optimizer_steps_per_rollout
-        metrics.update({f"train/{k}": v for k, v in sums.items()})
+        with timer.phase("logprobs"):
+            batch = to_train_batch(samples, self.pad_id, cfg.reward.reward_key)
+            temperature = cfg.rollout.temperature
+            old = (self.trainer.logprobs(batch, "current", temperature)[0]
+                   if needs_old_logprobs(algo, self.d.optimizer_steps_per_rollout) else None)
+            ref = self.trainer.logprobs(batch, "ref", temperature)[0] if algo.needs_reference else None
+            values = self.critic.logprobs(batch)[0] if self.critic is not None else None
+            add_advantages(batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values)
+        with timer.phase("train"):
+            actor_loss = ActorLoss(algo, cfg.rollout.max_response_tokens)
+            sums: dict[str, float] = {}
+            size = self.d.global_batch_samples
+            for k in range(self.d.optimizer_steps_per_rollout):
+                mini = batch.select(list(range(k * size, min((k + 1) * size, batch.size))))
+                step_metrics = self.trainer.train_step(mini, actor_loss, temperature, with_entropy=True)
+                if self.critic is not None:
+                    critic_metrics = self.critic.train_step(mini, CriticLoss(algo, cfg.rollout.max_response_tokens))
+                    step_metrics.update({f"critic_{k}" if k in ("grad_norm", "lr") else k: v
+                                         for k, v in critic_metrics.items()})
+                for name, value in step_metrics.items():  # means over the optimizer steps; *_max metrics: maxima
+                    sums[name] = (max(sums.get(name, float(value)), float(value)) if name.endswith("_max") else
+                                  sums.get(name, 0.0) + float(value) / self.d.optimizer_steps_per_rollout)
+        metrics = {f"train/{k}": v for k, v in sums.items()}
         metrics["train/advantage_abs_mean"] = float(
             (batch.extras["advantages"].abs() * batch.loss_mask).sum() / batch.loss_mask.sum())
-        metrics["perf/train_time"] = time.monotonic() - start
         return metrics
-
-    @property
-    def pad_id(self) -> int:
-        if not hasattr(self, "_pad_id"):
-            tok = load_tokenizer(self.model_path)
-            self._pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        return self._pad_id
 
     def evaluate(self) -> dict:
         if self.manager is None:
@@ -303,9 +289,8 @@ class Session:
         return self.step == self.cfg.num_steps or (every > 0 and self.step % every == 0)
 
     # ---- checkpoint ----------------------------------------------------------------------------------------------
-    def save(self) -> float:
-        """Write checkpoints/step_<k> (see checkpoint.py); returns the seconds it took."""
-        start = time.monotonic()
+    def save(self) -> None:
+        """Write checkpoints/step_<k> (see checkpoint.py)."""
         ckpt = checkpoint_dir(self.run_dir, self.step)
         ckpt.mkdir(parents=True, exist_ok=True)
         if self.trainer is not None:
@@ -322,7 +307,6 @@ class Session:
             write_json(ckpt / "rollout.json", ray.get(self.manager.state_dict.remote()))
         write_json(ckpt / "loop.json", {"step": self.step, "next_rollout": next_rollout})
         mark_latest(self.run_dir, ckpt)
-        return time.monotonic() - start
 
     def load(self, ckpt: Path) -> None:
         meta = json.loads((ckpt / "loop.json").read_text())
@@ -369,10 +353,6 @@ def _init_ray(cfg: SlimeConfig) -> bool:
     ray.init(num_cpus=cfg.cluster.cpus_per_node or cpus, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
     return True
-
-
-def _flat_config(cfg: SlimeConfig) -> dict:
-    return asdict(cfg)
 
 
 def save_rollout(out_dir: Path, step: int, samples: list[dict]) -> None:

@@ -25,10 +25,9 @@ from typing import Optional
 
 import torch
 
+from slime_hydra.algo.config import ADVANTAGE_ESTIMATORS
 from slime_hydra.algo.masked import as_bool_mask, masked_fill_zero, masked_mean
 
-ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "gae")
-"""Names accepted by ``compute_advantages`` (the ``advantage_estimator`` config key)."""
 
 _WHITENED = ("reinforce_pp", "reinforce_pp_baseline")
 

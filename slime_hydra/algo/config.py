@@ -15,61 +15,66 @@ The algo options (``conf/algo/``) are named recipes of these fields:
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
+from slime_hydra.options import Problem, choice, non_negative, within
+
+ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+"""algo.advantage_estimator: names ``algo/advantages.compute_advantages`` accepts."""
 GROUP_ESTIMATORS = ("grpo", "reinforce_pp_baseline")
 """Estimators whose baseline is the group of samples of one prompt: they need n_samples_per_prompt > 1."""
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
+"""algo.policy_loss: names ``algo/losses.compute_policy_loss`` accepts."""
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+"""algo.kl_loss_type: names ``algo/kl.compute_kl`` accepts."""
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+"""algo.loss_agg: names ``algo/losses.aggregate`` accepts."""
 
 
 @dataclass
 class AlgoConfig:
     name: str = "grpo"
     """The conf/algo option this came from (used in run names and logs)."""
-    advantage_estimator: str = "grpo"
+    advantage_estimator: str = choice("grpo", ADVANTAGE_ESTIMATORS)
     """grpo | reinforce_pp | reinforce_pp_baseline | gae (PPO with a critic)."""
-    policy_loss: str = "ppo_clip"
+    policy_loss: str = choice("ppo_clip", POLICY_LOSSES)
     """ppo_clip (token ratio) | gspo (sequence ratio) | cispo (clipped stop-gradient IS weight)."""
     std_normalization: bool = True
     """GRPO: divide the group-centred reward by the group std (Dr.GRPO turns it off)."""
     normalize_advantages: bool = False
     """Whiten advantages over the whole batch under the loss mask (REINFORCE++ always whitens)."""
-    eps_clip: float = 0.2
+    eps_clip: float = non_negative(0.2)
     """Lower PPO clip: ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]."""
-    eps_clip_high: Optional[float] = None
+    eps_clip_high: Optional[float] = non_negative(None)
     """Upper PPO clip (DAPO clip-higher, e.g. 0.28); null means eps_clip."""
-    eps_clip_c: Optional[float] = None
+    eps_clip_c: Optional[float] = within(None, 1, low_open=True)
     """Dual-clip bound (> 1, e.g. 3.0) capping the loss of negative-advantage tokens; null disables."""
-    kl_loss_coef: float = 0.0
+    kl_loss_coef: float = non_negative(0.0)
     """Weight of the KL(policy || reference) loss term; 0 disables. Exclusive with kl_coef."""
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: str = choice("low_var_kl", KL_TYPES)
     """KL estimator: k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10])."""
-    kl_coef: float = 0.0
+    kl_coef: float = non_negative(0.0)
     """Weight of the per-token KL penalty subtracted from the reward (reward shaping); 0 disables."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = non_negative(0.0)
     """Weight of the entropy bonus (subtracted from the loss)."""
-    loss_agg: str = "token_mean"
+    loss_agg: str = choice("token_mean", LOSS_AGGS)
     """token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (Dr.GRPO: / max tokens)."""
-    gamma: float = 1.0
+    gamma: float = within(1.0, 0, 1)
     """Discount per token for REINFORCE++ returns and GAE."""
-    lam: float = 1.0
+    lam: float = within(1.0, 0, 1)
     """GAE lambda."""
-    value_clip: float = 0.2
+    value_clip: float = non_negative(0.2)
     """PPO value-loss clip range around the old value."""
-    value_loss_coef: float = 0.5
+    value_loss_coef: float = non_negative(0.5)
     """Weight of the critic's value loss (PPO only)."""
-    tis_cap: Optional[float] = None
+    tis_cap: Optional[float] = within(None, 1)
     """Truncated importance sampling between trainer-old and rollout logprobs: clamp of the weight (e.g. 2.0); null off."""
     dynamic_filter: Optional[str] = None
     """Group filter for dynamic sampling: nonzero_std (DAPO) or a dotted path to fn(group) -> bool | (bool, reason)."""
-    overlong_buffer_tokens: int = 0
+    overlong_buffer_tokens: int = non_negative(0)
     """DAPO soft overlong punishment: the last N tokens before max_response_tokens are penalised linearly; 0 off."""
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = non_negative(1.0)
     """Reward subtracted at the hard limit by the overlong punishment (linear from 0 over the buffer)."""
-
-    @property
-    def clip_high(self) -> float:
-        """Upper clip actually used."""
-        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
 
     @property
     def needs_reference(self) -> bool:
@@ -78,4 +83,20 @@ class AlgoConfig:
 
     @property
     def needs_critic(self) -> bool:
+        """PPO's GAE estimator learns a value model next to the policy."""
         return self.advantage_estimator == "gae"
+
+    def check(self, prefix: str) -> Iterator[Problem]:
+        """What the field domains cannot say (options.py)."""
+        if self.kl_coef > 0 and self.kl_loss_coef > 0:
+            yield Problem((f"{prefix}kl_coef", f"{prefix}kl_loss_coef"),
+                          f"KL as reward shaping (kl_coef={self.kl_coef}) and as a loss term "
+                          f"(kl_loss_coef={self.kl_loss_coef}) are mutually exclusive", "set one of them to 0")
+        if self.policy_loss == "gspo" and self.loss_agg != "seq_mean_token_mean":
+            yield Problem((f"{prefix}policy_loss", f"{prefix}loss_agg"),
+                          f"GSPO's sequence-level ratio is defined with seq_mean_token_mean, got loss_agg={self.loss_agg}",
+                          f"set {prefix}loss_agg=seq_mean_token_mean")
+        if self.dynamic_filter is not None and self.dynamic_filter != "nonzero_std" and "." not in self.dynamic_filter:
+            yield Problem((f"{prefix}dynamic_filter",),
+                          f"'{self.dynamic_filter}' is neither nonzero_std nor a dotted path",
+                          f"set {prefix}dynamic_filter=nonzero_std or my_pkg.filters.fn")

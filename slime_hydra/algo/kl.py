@@ -13,10 +13,9 @@ Every estimator is exactly 0 where ``loss_mask`` is 0 and where logp == logp_ref
 
 import torch
 
+from slime_hydra.algo.config import KL_TYPES
 from slime_hydra.algo.masked import as_bool_mask
 
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-"""Names accepted by ``kl_loss_type``."""
 
 LOW_VAR_KL_BOUND = 10.0
 """low_var_kl is clamped to [-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND] nats per token."""

@@ -20,14 +20,9 @@ from typing import Optional
 
 import torch
 
+from slime_hydra.algo.config import LOSS_AGGS, POLICY_LOSSES
 from slime_hydra.algo.kl import compute_kl
 from slime_hydra.algo.masked import as_bool_mask, masked_fill_zero, masked_mean, masked_sum
-
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-"""Names accepted by ``loss_agg``."""
-
-POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
-"""Names accepted by ``compute_policy_loss(policy_loss=...)`` (the ``policy_loss`` config key)."""
 
 RATIO_LEVELS = ("token", "sequence")
 

@@ -85,11 +85,6 @@ class Request:
     round: int
     """1-based round number within the current training batch."""
 
-    @property
-    def num_groups(self) -> int:
-        """Groups this round generates."""
-        return len(self.resume) + self.new_prompts
-
 
 @dataclass
 class BufferBatch:

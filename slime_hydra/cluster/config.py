@@ -7,14 +7,19 @@ The node count is never typed: it is derived from the GPUs the roles need and ``
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from slime_hydra.options import choice, non_negative, positive, within
+
+SCHEDULERS = ("local", "slurm")
+"""cluster.scheduler: where launch.py runs the job (launch/__init__.py)."""
+
 
 @dataclass
 class ClusterConfig:
-    scheduler: str = "local"
+    scheduler: str = choice("local", SCHEDULERS)
     """local (this machine, Ray started by launch.py) | slurm (sbatch through submitit)."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = non_negative(0)
     """GPUs per node; 0 means a CPU-only machine (each role 'GPU' is then a CPU process)."""
-    cpus_per_node: Optional[int] = None
+    cpus_per_node: Optional[int] = positive(None)
     """CPUs given to Ray per node; null means what the machine (or the SLURM allocation) has."""
     colocate: bool = False
     """Training ranks and engines share the same GPUs (engines release memory while the trainer works)."""
@@ -28,17 +33,17 @@ class ClusterConfig:
     """slurm: node feature constraint (sbatch --constraint)."""
     exclusive: bool = False
     """slurm: whole nodes (sbatch --exclusive)."""
-    time_min: int = 60
+    time_min: int = positive(60)
     """slurm: wall-clock limit in minutes."""
-    mem_gb: Optional[int] = None
+    mem_gb: Optional[int] = positive(None)
     """slurm: memory per node in GiB; null means the partition's default."""
     sbatch_extra: List[str] = field(default_factory=list)
     """slurm: extra '#SBATCH' option lines, verbatim (e.g. --reservation=rl)."""
     setup: List[str] = field(default_factory=list)
     """slurm: shell lines run before the job (module load, conda activate, container set-up)."""
-    ray_port: int = 6379
+    ray_port: int = within(6379, 1024, 65535 - 1000)
     """Ray head GCS port (SLURM jobs add job_id % 1000 to avoid clashes between jobs on one node)."""
-    ray_wait_nodes_s: int = 300
+    ray_wait_nodes_s: int = positive(300)
     """Seconds the driver waits for all nodes to join Ray before failing."""
     job_body: str = "slime_hydra.loop.run"
     """slurm: dotted path of the function rank 0 runs as the Ray driver, body(cfg, run_dir) -> "done" | "preempted"."""

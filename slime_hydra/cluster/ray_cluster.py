@@ -37,13 +37,14 @@ import time
 from typing import Optional, Sequence
 
 from slime_hydra.cluster.config import ClusterConfig
+from slime_hydra.net import free_port
 
 CLEARED_ENV_PREFIXES = ("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "PMI_", "PMIX_", "OMPI_", "SUBMITIT_")
 """Variables removed from the environment of the Ray processes (and so of every actor)."""
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 """Set for the Ray processes and the driver. Cluster mode must be ON here: with
-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (right for single-machine runs, ENVIRONMENT.md) ``ray start --address`` refuses
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (right for single-machine runs, docs/architecture.md "Machine facts") ``ray start --address`` refuses
 to join and a driver takes 127.0.0.1 as its node address; the explicit ``--node-ip-address`` keeps Ray off the
 machine's other interfaces instead. No token auth (a stale ~/.ray/auth_token would otherwise turn it on)."""
 
@@ -82,12 +83,6 @@ def missing_nodes(expected_hosts: Sequence[str], joined_hosts: Sequence[str]) ->
     short = lambda h: h.split(".")[0]  # noqa: E731 - SLURM node names vs gethostname() may differ by the domain
     missing = collections.Counter(map(short, expected_hosts)) - collections.Counter(map(short, joined_hosts))
     return sorted(missing.elements()) or [f"{len(expected_hosts) - len(joined_hosts)} unnamed node(s)"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
@@ -148,7 +143,7 @@ class RayCluster:
         args = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
                 f"--node-ip-address={node_ip}", f"--temp-dir={self.temp_dir}", f"--num-cpus={self.num_cpus()}",
                 f"--num-gpus={self.cluster.gpus_per_node}",
-                f"--dashboard-agent-listen-port={_free_port()}"]  # the fixed default clashes between nodes of one host
+                f"--dashboard-agent-listen-port={free_port('')}"]  # the fixed default clashes between nodes of one host
         if self.is_head:
             args += ["--head", f"--port={self.port}", "--include-dashboard=false"]
         else:

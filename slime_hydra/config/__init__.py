@@ -12,7 +12,7 @@ from typing import Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from slime_hydra.config.derive import Derived, derive
-from slime_hydra.config.errors import ConfigError, Problem
+from slime_hydra.options import ConfigError, Problem
 from slime_hydra.config.keys import check_composed, check_overrides
 from slime_hydra.config.rules import collect_problems, validate
 from slime_hydra.config.schema import SlimeConfig

@@ -6,6 +6,9 @@
     rollout_gpus = rollout.num_gpus, or train.num_gpus when colocated
     total_gpus  = max(train, rollout) when colocated, else train + rollout
     nodes       = ceil(total_gpus / cluster.gpus_per_node)   (1 on a CPU-only machine)
+    engine_dtype = bfloat16 when training bf16 on GPUs, else float32 (engines compute in the dtype weights are
+                   synced in)
+    weight_sync = train.weight_sync, with auto resolved from the placement and the engine kind
 
 ``derive`` assumes the counts are positive; config/rules.py checks that first and only then derives.
 """
@@ -42,6 +45,19 @@ class Derived:
     """Nodes the job needs."""
     context_tokens: int
     """Longest sequence: data.max_prompt_tokens + rollout.max_response_tokens."""
+    engine_dtype: str
+    """The engines' compute dtype and the dtype weights are synced in: bfloat16 | float32 (torch names)."""
+    weight_sync: str
+    """How weights reach the engines: one of train/config.WEIGHT_SYNC_METHODS (``auto`` resolved)."""
+
+
+def resolve_weight_sync(weight_sync: str, colocate: bool, engine: str) -> str:
+    """train.weight_sync with ``auto`` resolved: colocated embedded engines take CUDA IPC handles (``tensor``),
+    colocated SGLang engines reload from disk (the handles are in the embedded engine's format, not SGLang's pickled
+    one), separate GPUs get an NCCL broadcast (``distributed``)."""
+    if weight_sync == "auto":
+        return ("tensor" if engine == "embedded" else "disk") if colocate else "distributed"
+    return weight_sync
 
 
 def gpu_hours_for(derived: Derived, time_min: int) -> float:
@@ -82,4 +98,6 @@ def derive(cfg: SlimeConfig) -> Derived:
         gpus_per_node=per_node,
         nodes=1 if cfg.cluster.gpus_per_node == 0 else math.ceil(total / per_node),
         context_tokens=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens,
+        engine_dtype="bfloat16" if cfg.cluster.gpus_per_node > 0 and cfg.train.dtype == "bf16" else "float32",
+        weight_sync=resolve_weight_sync(cfg.train.weight_sync, cfg.cluster.colocate, cfg.rollout.backend),
     )

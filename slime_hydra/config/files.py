@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from slime_hydra.config.errors import Problem
+from slime_hydra.options import Problem
 from slime_hydra.config.schema import SlimeConfig
 
 # model option field -> HF config.json keys that may hold it (first present wins)

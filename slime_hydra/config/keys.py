@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig
 
-from slime_hydra.config.errors import Problem, nearest
+from slime_hydra.options import Problem, nearest
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.config.store import GROUP_SCHEMAS
 

@@ -1,97 +1,19 @@
-"""Pre-flight validation: every cross-key rule, checked before anything starts, all problems reported at once.
+"""Pre-flight validation: every problem of a config, found before anything starts, all reported at once.
 
-``validate(cfg)`` runs locally, in dry runs and before every sbatch. Each rule is a small function yielding
-``Problem``s that name the key(s) and the override that fixes it. Counts and choices are checked first; the
-arithmetic rules run only on a config whose counts are sane (they divide by them).
+``validate(cfg)`` runs locally, in dry runs and before every sbatch. First each field against its declared domain
+and each group's own ``check`` (``options.domain_problems``: choices, ranges and single-group rules live beside the
+fields in ``slime_hydra/<component>/config.py``) and the passthrough option names; then, on a config whose counts
+hold (the arithmetic divides by them), the rules below, each relating keys of several groups. Every rule is a
+small function yielding ``Problem``s that name the key(s) and the override that fixes it.
 """
 
-import re
-from operator import attrgetter
 from typing import Callable, Iterator
 
 from slime_hydra.algo.config import GROUP_ESTIMATORS
 from slime_hydra.config.derive import Derived, derive
-from slime_hydra.config.errors import ConfigError, Problem, nearest
 from slime_hydra.config.passthrough import check_passthrough
-from slime_hydra.data.tasks import TASKS
 from slime_hydra.config.schema import SlimeConfig
-
-CHOICES = {
-    "algo.advantage_estimator": ("grpo", "reinforce_pp", "reinforce_pp_baseline", "gae"),
-    "algo.policy_loss": ("ppo_clip", "gspo", "cispo"),
-    "algo.kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
-    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
-    "data.on_bad_line": ("error", "skip"),
-    "model.family": ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "deepseek_v3"),
-    "rollout.backend": ("embedded", "sglang"),
-    "rollout.router_policy": ("round_robin", "cache_aware", "random", "power_of_two"),
-    "train.backend": ("fsdp", "megatron"),
-    "train.dtype": ("bf16", "fp32"),
-    "train.lr_decay_style": ("constant", "linear", "cosine"),
-    "train.weight_sync": ("auto", "tensor", "distributed", "disk"),
-    "cluster.scheduler": ("local", "slurm"),
-    "debug.mode": ("none", "rollout_only", "train_only"),
-    "mode": ("sync", "async"),
-}
-
-POSITIVE = (
-    "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_kv_heads",
-    "model.ffn_hidden_size", "model.vocab_size", "model.max_position_embeddings",
-    "data.max_prompt_tokens",
-    "rollout.batch_prompts", "rollout.n_samples_per_prompt", "rollout.max_response_tokens",
-    "rollout.gpus_per_engine", "rollout.max_concurrency_per_engine", "rollout.max_filter_attempts",
-    "reward.max_concurrency", "reward.timeout_s",
-    "train.num_gpus", "train.tp", "train.pp", "train.cp", "train.ep", "train.micro_batch_samples",
-    "train.lr", "train.weight_sync_bucket_mb",
-    "cluster.time_min", "cluster.ray_wait_nodes_s", "tracking.log_every_steps",
-    "num_steps", "sync_every_steps",
-)
-POSITIVE_OR_NULL = (
-    "model.head_dim", "rollout.num_gpus", "rollout.over_sampling_batch_prompts", "train.global_batch_samples",
-    "train.optimizer_steps_per_rollout", "train.max_tokens_per_gpu", "cluster.cpus_per_node", "cluster.mem_gb",
-)
-NON_NEGATIVE = (
-    "algo.eps_clip", "algo.kl_loss_coef", "algo.kl_coef", "algo.entropy_coef", "algo.overlong_buffer_tokens",
-    "data.row_start", "rollout.eval_every_steps", "rollout.health_check_interval_s", "rollout.max_generate_retries",
-    "reward.max_retries", "reward.backoff_s", "train.min_lr",
-    "train.lr_warmup_steps", "train.weight_decay", "train.clip_grad", "cluster.gpus_per_node", "max_staleness",
-    "save_every_steps",
-)
-
-
-def _get(cfg: SlimeConfig, key: str):
-    return attrgetter(key)(cfg)
-
-
-def check_counts(cfg: SlimeConfig) -> Iterator[Problem]:
-    for key in POSITIVE:
-        if _get(cfg, key) <= 0:
-            yield Problem((key,), f"must be positive, got {_get(cfg, key)}", f"set {key} to a value > 0")
-    for key in POSITIVE_OR_NULL:
-        value = _get(cfg, key)
-        if value is not None and value <= 0:
-            yield Problem((key,), f"must be positive or null, got {value}", f"set {key}=null or a value > 0")
-    for key in NON_NEGATIVE:
-        if _get(cfg, key) < 0:
-            yield Problem((key,), f"must be >= 0, got {_get(cfg, key)}", f"set {key} to 0 or more")
-    for i, ev in enumerate(cfg.data.eval):
-        if ev.n_samples_per_prompt <= 0:
-            yield Problem((f"data.eval.{i}.n_samples_per_prompt",), f"must be positive, got {ev.n_samples_per_prompt}")
-
-
-def check_choices(cfg: SlimeConfig) -> Iterator[Problem]:
-    for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
-        if value not in allowed:
-            hint = nearest(str(value), allowed)
-            fix = f"did you mean {key}={hint}?" if hint else f"choose one of: {', '.join(allowed)}"
-            yield Problem((key,), f"'{value}' is not one of {', '.join(allowed)}", fix)
-    if cfg.run_name is not None and (not re.fullmatch(r"[\w.+=,@-]+", cfg.run_name) or set(cfg.run_name) == {"."}):
-        yield Problem(("run_name",),
-                      f"{cfg.run_name!r} is not a plain directory name (letters, digits and . _ - + = , @)",
-                      "e.g. run_name=qwen3-grpo-lr1e-6 (the run directory is output_dir/run_name)")
-    if cfg.resume not in ("auto", "never") and not cfg.resume.strip():
-        yield Problem(("resume",), "is empty", "set resume=auto, resume=never or resume=<checkpoint dir>")
+from slime_hydra.options import ConfigError, Problem, counts_hold, domain_problems
 
 
 def check_batch(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -121,10 +43,6 @@ def check_batch(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"try train.micro_batch_samples={_divisor_near(d.global_batch_samples // d.dp or 1, t.micro_batch_samples)}"
                       if d.global_batch_samples % d.dp == 0 else
                       f"make global_batch_samples a multiple of dp={d.dp}")
-    if r.over_sampling_batch_prompts is not None and r.over_sampling_batch_prompts < r.batch_prompts:
-        yield Problem(("rollout.over_sampling_batch_prompts", "rollout.batch_prompts"),
-                      f"over-sampling sends {r.over_sampling_batch_prompts} prompts but a step needs {r.batch_prompts}",
-                      f"set rollout.over_sampling_batch_prompts >= {r.batch_prompts} or null")
 
 
 def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -169,10 +87,6 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
             yield Problem(("train.ep", "model.num_experts", "train.num_gpus"),
                           f"train.ep={t.ep} must divide model.num_experts={m.num_experts} and dp={d.dp}",
                           f"choose train.ep among the common divisors of {m.num_experts} and {d.dp}")
-    if cfg.model.num_attention_heads % cfg.model.num_kv_heads:
-        yield Problem(("model.num_attention_heads", "model.num_kv_heads"),
-                      f"num_attention_heads={m.num_attention_heads} is not a multiple of num_kv_heads={m.num_kv_heads}",
-                      "check the model option's numbers against its config.json")
 
 
 def check_rollout(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -190,10 +104,6 @@ def check_rollout(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"engine TP (rollout.gpus_per_engine={r.gpus_per_engine}) does not divide "
                       f"model.num_attention_heads={m.num_attention_heads}",
                       f"choose rollout.gpus_per_engine among {_divisors(m.num_attention_heads)}")
-    if r.backend == "embedded" and r.gpus_per_engine > 1:
-        yield Problem(("rollout.gpus_per_engine", "rollout.backend"),
-                      f"the embedded engine runs on one device, not rollout.gpus_per_engine={r.gpus_per_engine}",
-                      "set rollout.gpus_per_engine=1 (more engines: rollout.num_gpus), or rollout=sglang for TP engines")
     if r.backend == "sglang" and cfg.train.weight_sync == "tensor":
         yield Problem(("train.weight_sync", "rollout.backend"),
                       "weight_sync=tensor sends CUDA IPC handles in the embedded engine's format, which SGLang "
@@ -203,9 +113,6 @@ def check_rollout(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
         yield Problem(("rollout.backend", "cluster.gpus_per_node"),
                       "rollout=sglang needs GPUs but the cluster has cluster.gpus_per_node=0",
                       "use rollout=embedded on a CPU machine, or a GPU cluster option (cluster=slurm_8xh100)")
-    if r.generate is not None and "." not in r.generate:
-        yield Problem(("rollout.generate",), f"'{r.generate}' is not a dotted path",
-                      "set rollout.generate=my_pkg.module.generate")
 
 
 def check_placement(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -275,7 +182,7 @@ def check_lengths(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"set algo.overlong_buffer_tokens < {cfg.rollout.max_response_tokens} (or 0 to disable)")
 
 
-def check_algo(cfg: SlimeConfig) -> Iterator[Problem]:
+def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     a = cfg.algo
     group_based = a.advantage_estimator in GROUP_ESTIMATORS or a.dynamic_filter is not None
     if group_based and cfg.rollout.n_samples_per_prompt < 2:
@@ -285,56 +192,6 @@ def check_algo(cfg: SlimeConfig) -> Iterator[Problem]:
                       f"{why} compares samples of one prompt, so it needs rollout.n_samples_per_prompt > 1 "
                       f"(got {cfg.rollout.n_samples_per_prompt})",
                       "set rollout.n_samples_per_prompt=8 (or more)")
-    if a.kl_coef > 0 and a.kl_loss_coef > 0:
-        yield Problem(("algo.kl_coef", "algo.kl_loss_coef"),
-                      f"KL as reward shaping (kl_coef={a.kl_coef}) and as a loss term (kl_loss_coef={a.kl_loss_coef}) "
-                      "are mutually exclusive", "set one of them to 0")
-    if a.eps_clip_c is not None and a.eps_clip_c <= 1:
-        yield Problem(("algo.eps_clip_c",), f"the dual-clip bound must be > 1, got {a.eps_clip_c}",
-                      "set algo.eps_clip_c=3.0 or null")
-    if a.eps_clip_high is not None and a.eps_clip_high < 0:
-        yield Problem(("algo.eps_clip_high",), f"must be >= 0, got {a.eps_clip_high}", "set algo.eps_clip_high=0.28")
-    if a.tis_cap is not None and a.tis_cap < 1:
-        yield Problem(("algo.tis_cap",), f"the TIS cap must be >= 1, got {a.tis_cap}", "set algo.tis_cap=2.0 or null")
-    if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
-        yield Problem(("algo.gamma", "algo.lam"), f"gamma={a.gamma} and lam={a.lam} must lie in [0, 1]")
-    if a.policy_loss == "gspo" and a.loss_agg != "seq_mean_token_mean":
-        yield Problem(("algo.policy_loss", "algo.loss_agg"),
-                      f"GSPO's sequence-level ratio is defined with seq_mean_token_mean, got loss_agg={a.loss_agg}",
-                      "set algo.loss_agg=seq_mean_token_mean")
-    if a.dynamic_filter is not None and a.dynamic_filter != "nonzero_std" and "." not in a.dynamic_filter:
-        yield Problem(("algo.dynamic_filter",), f"'{a.dynamic_filter}' is neither nonzero_std nor a dotted path",
-                      "set algo.dynamic_filter=nonzero_std or my_pkg.filters.fn")
-
-
-def check_sources(cfg: SlimeConfig) -> Iterator[Problem]:
-    """Data, reward and debug settings that must name something."""
-    if cfg.data.path is None and cfg.data.task is None:
-        yield Problem(("data.path", "data.task"), "no prompts: both data.path and data.task are null",
-                      "set data.path=/path/train.jsonl or data=addition")
-    if cfg.data.path is None and cfg.data.task is not None and cfg.data.task not in TASKS:
-        hint = nearest(cfg.data.task, TASKS)
-        yield Problem(("data.task",), f"'{cfg.data.task}' is not a built-in task ({', '.join(TASKS)})",
-                      f"did you mean data.task={hint}?" if hint else "set data.path to your dataset instead")
-    if cfg.data.path is not None and not cfg.data.path.endswith((".jsonl", ".parquet")):
-        yield Problem(("data.path",), f"'{cfg.data.path}' is neither .jsonl nor .parquet",
-                      "convert the dataset to JSONL or Parquet")
-    if cfg.data.row_end is not None and cfg.data.row_end <= cfg.data.row_start:
-        yield Problem(("data.row_start", "data.row_end"),
-                      f"row_end={cfg.data.row_end} must be after row_start={cfg.data.row_start}")
-    if cfg.model.path is None and cfg.model.name != "tiny":
-        yield Problem(("model.path",), f"model={cfg.model.name} needs its HF checkpoint directory",
-                      f"set model.path=/path/to/{cfg.model.name} (only model=tiny is built offline)")
-    rw = cfg.reward
-    if rw.name == "custom" and not (rw.target and "." in rw.target):
-        yield Problem(("reward.target",), f"reward=custom needs a dotted path, got {rw.target!r}",
-                      "set reward.target=my_pkg.rewards.score")
-    if rw.name == "remote" and not (rw.url or "").startswith(("http://", "https://")):
-        yield Problem(("reward.url",), f"reward=remote needs an http(s) URL, got {rw.url!r}",
-                      "set reward.url=http://host:port/score")
-    if cfg.debug.mode == "train_only" and not cfg.debug.rollout_path:
-        yield Problem(("debug.rollout_path",), "debug=train_only trains from saved rollouts",
-                      "set debug.rollout_path=<run_dir>/rollouts (written by debug=rollout_only)")
 
 
 def _divisors(n: int) -> list[int]:
@@ -347,15 +204,14 @@ def _divisor_near(n: int, target: int) -> int:
 
 
 RULES: tuple[Callable[[SlimeConfig, Derived], Iterator[Problem]], ...] = (
-    check_batch, check_parallelism, check_rollout, check_placement, check_lengths,
+    check_batch, check_parallelism, check_rollout, check_placement, check_lengths, check_algo,
 )
 
 
 def collect_problems(cfg: SlimeConfig) -> tuple[list[Problem], Derived | None]:
     """Every problem of the config, and the derived values when the counts allow computing them."""
-    counts = list(check_counts(cfg))
-    problems = [*counts, *check_choices(cfg), *check_algo(cfg), *check_sources(cfg), *check_passthrough(cfg)]
-    if counts:  # the arithmetic rules divide by these counts
+    problems = [*domain_problems(cfg), *check_passthrough(cfg)]
+    if not counts_hold(cfg):  # the cross-group rules divide by the counts
         return problems, None
     derived = derive(cfg)
     for rule in RULES:

@@ -4,27 +4,40 @@ Code receives these dataclasses (``OmegaConf.to_object`` once, in launch), never
 component is handed only its own slice (``cfg.rollout``, ``cfg.train`` ...).
 """
 
+import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 from slime_hydra.algo.config import AlgoConfig
 from slime_hydra.cluster.config import ClusterConfig
 from slime_hydra.data.config import DataConfig
 from slime_hydra.model.config import ModelConfig
+from slime_hydra.options import Problem, choice, non_negative, positive
 from slime_hydra.reward.config import RewardConfig
 from slime_hydra.rollout.config import RolloutConfig
 from slime_hydra.tracking.config import TrackingConfig
 from slime_hydra.train.config import TrainConfig
 
+DEBUG_MODES = ("none", "rollout_only", "train_only")
+"""debug.mode: which half of the loop runs (loop.py)."""
+MODES = ("sync", "async")
+"""mode: whether generation of the next step overlaps training (loop.py)."""
+
 
 @dataclass
 class DebugConfig:
-    mode: str = "none"
+    mode: str = choice("none", DEBUG_MODES)
     """none | rollout_only (generate and score, never train) | train_only (train from saved rollouts, no engines)."""
     rollout_path: Optional[str] = None
     """train_only: directory of rollouts saved by an earlier run (save_rollouts=true)."""
     save_rollouts: bool = False
     """Write every rollout batch to <run_dir>/rollouts/step_<k>.jsonl (the input of train_only)."""
+
+    def check(self, prefix: str) -> Iterator[Problem]:
+        """What the field domains cannot say (options.py)."""
+        if self.mode == "train_only" and not self.rollout_path:
+            yield Problem((f"{prefix}rollout_path",), "debug=train_only trains from saved rollouts",
+                          f"set {prefix}rollout_path=<run_dir>/rollouts (written by debug=rollout_only)")
 
 
 @dataclass
@@ -39,17 +52,17 @@ class SlimeConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
-    num_steps: int = 200
+    num_steps: int = positive(200)
     """Rollout steps to run (each: generate -> score -> filter -> train -> sync)."""
     seed: int = 42
     """Seed of model init, sampling and everything else random."""
-    mode: str = "sync"
+    mode: str = choice("sync", MODES)
     """sync (generate, then train) | async (generation of step k+1 overlaps training of step k)."""
-    max_staleness: int = 1
+    max_staleness: int = non_negative(1)
     """async: a sample may be at most this many weight versions older than the trainer."""
-    sync_every_steps: int = 1
+    sync_every_steps: int = positive(1)
     """Push trainer weights to the engines every N rollout steps."""
-    save_every_steps: int = 0
+    save_every_steps: int = non_negative(0)
     """Checkpoint every N rollout steps (and on SIGTERM/SIGUSR1); 0 saves only at the end and on signals."""
     resume: str = "auto"
     """auto (continue from the newest checkpoint in the run dir, if any) | never | a checkpoint directory."""
@@ -59,3 +72,13 @@ class SlimeConfig:
     """Run directory name under output_dir; null means <model>-<algo>-<timestamp>."""
     dry_run: bool = False
     """Validate, print the resolved config, derived values and the plan, then exit having started nothing."""
+
+    def check(self, prefix: str) -> Iterator[Problem]:
+        """Run-level settings the field domains cannot check (options.py); rules across groups: config/rules.py."""
+        if self.run_name is not None and (not re.fullmatch(r"[\w.+=,@-]+", self.run_name)
+                                          or set(self.run_name) == {"."}):
+            yield Problem(("run_name",),
+                          f"{self.run_name!r} is not a plain directory name (letters, digits and . _ - + = , @)",
+                          "e.g. run_name=qwen3-grpo-lr1e-6 (the run directory is output_dir/run_name)")
+        if self.resume not in ("auto", "never") and not self.resume.strip():
+            yield Problem(("resume",), "is empty", "set resume=auto, resume=never or resume=<checkpoint dir>")

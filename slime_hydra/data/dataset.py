@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from slime_hydra.data.config import DataConfig, EvalDataConfig
+from slime_hydra.data.config import ON_BAD_LINE, DataConfig, EvalDataConfig
 
-ON_BAD_LINE = ("error", "skip")
 BAD_REASONS = ("blank_line", "invalid_json", "missing_key", "wrong_type", "template_error")
 """Reasons a row is skipped, the keys of DatasetStats.skipped."""
 _EXAMPLES_KEPT = 5

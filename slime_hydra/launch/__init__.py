@@ -16,12 +16,10 @@ from slime_hydra.launch.plan import print_plan
 from slime_hydra.launch.run_dir import run_dir_for, write_provenance
 from slime_hydra.launch.sweep import point_run_dir
 
-EXIT_BAD_CONFIG = 2
-
 
 def _fail(error: ConfigError) -> None:
     print(f"slime_hydra: {error}", file=sys.stderr)
-    raise SystemExit(EXIT_BAD_CONFIG)
+    raise SystemExit(ConfigError.exit_code)
 
 
 def precheck_argv(argv: Sequence[str]) -> None:

@@ -32,6 +32,10 @@ def derived_table(cfg: SlimeConfig, d: Derived) -> Table:
         ("nodes", d.nodes, f"ceil(total / cluster.gpus_per_node={cfg.cluster.gpus_per_node})"
          if cfg.cluster.gpus_per_node else "this machine"),
         ("context (tokens)", d.context_tokens, "data.max_prompt_tokens + rollout.max_response_tokens"),
+        ("weight sync", d.weight_sync, f"train.weight_sync={t.weight_sync}"
+         + (" (colocated: tensor for embedded engines, disk for SGLang; else distributed)"
+            if t.weight_sync == "auto" else "")),
+        ("engine dtype", d.engine_dtype, f"train.dtype={t.dtype} on {'GPUs' if cfg.cluster.gpus_per_node else 'CPU'}"),
     ]
     if cfg.cluster.scheduler == "slurm":
         rows.append(("GPU-hours reserved", f"{gpu_hours_for(d, cfg.cluster.time_min):.1f}",
@@ -73,7 +77,7 @@ def print_plan(cfg: SlimeConfig, d: Derived, run_dir: Path, console: Console) ->
         from slime_hydra.rollout.engines.sglang import engine_commands
 
         console.rule("SGLang engine commands (host and ports are picked at start)")
-        for line in engine_commands(cfg, d.num_engines):
+        for line in engine_commands(cfg, d):
             console.print(line, markup=False, highlight=False)
     if cfg.cluster.scheduler == "slurm":
         from slime_hydra.launch.slurm import render_sbatch

@@ -17,7 +17,7 @@ cluster's state is wiped, and a reused folder would hand back an old job's resul
 records the job id, the folder, the log paths and the overrides (``python -m slime_hydra.status`` reads it).
 
 Preemption: the job function is a ``submitit.helpers.Checkpointable``. When SLURM sends the time-limit signal
-(``USR2@90`` by default, or the site's ``--signal=...`` in ``cluster.sbatch_extra``), launch/preempt.py records
+(``USR2@90`` by default, or the site's ``--signal=...`` in ``cluster.sbatch_extra``), preempt.py records
 it; the body checkpoints at its next step boundary and returns ``"preempted"``; Ray is torn down; then submitit's
 own requeue handler runs ``checkpoint()`` (this function again, with ``resume=auto``) and ``scontrol requeue``.
 The requeued job starts from the newest checkpoint in the same run directory.
@@ -37,7 +37,7 @@ from rich.console import Console
 from slime_hydra.config.derive import Derived
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.dotted import import_callable
-from slime_hydra.launch import preempt
+from slime_hydra import preempt
 from slime_hydra.launch.slurm import sbatch_parameters
 
 def resolve_body(path: str) -> Callable[[SlimeConfig, Path], Any]:

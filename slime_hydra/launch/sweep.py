@@ -29,6 +29,8 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from slime_hydra.options import ConfigError
+
 MANIFEST = "sweep.json"
 """The sweep manifest, in the sweep dir."""
 
@@ -58,7 +60,7 @@ def check_point(overrides: list[str], dry_run: bool) -> tuple[list[str], Any, An
     """(problems as text, SlimeConfig or None, Derived or None) of one point, validated as launch() does."""
     from hydra import compose
 
-    from slime_hydra.config import ConfigError, collect_problems, to_config
+    from slime_hydra.config import collect_problems, to_config
     from slime_hydra.config.files import check_files
 
     try:
@@ -86,7 +88,6 @@ class SweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from slime_hydra.config.derive import gpu_hours_for
-        from slime_hydra.launch import EXIT_BAD_CONFIG
 
         self.sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         self.created = [d for d in [self.sweep_dir, *self.sweep_dir.parents] if not d.exists()]
@@ -106,7 +107,7 @@ class SweepCallback(Callback):
         if errors:
             print(f"slime_hydra: sweep of {len(points)} points not started: {len(errors)} problem(s):\n  - "
                   + "\n  - ".join(errors), file=sys.stderr)
-            raise SystemExit(EXIT_BAD_CONFIG)
+            raise SystemExit(ConfigError.exit_code)
         self._print(rows, dry_run)
         if not dry_run:
             self.sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -7,45 +7,51 @@ these numbers before anything starts (a mismatch means the wrong option was chos
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
+
+from slime_hydra.options import Problem, choice, non_negative, positive
+
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "deepseek_v3")
+"""model.family: the architectures the model options describe (the HF config classes of model/hf.py and the
+HF<->Megatron mappings of train/megatron/convert.py cover the dense ones)."""
 
 
 @dataclass
 class ModelConfig:
     name: str = "tiny"
     """Short name used in run names and logs (the conf/model option name)."""
-    family: str = "qwen2"
+    family: str = choice("qwen2", FAMILIES)
     """Architecture family: qwen2 | qwen3 | qwen3_moe | llama | glm4 | deepseek_v3 (selects the HF<->Megatron mapping)."""
     path: Optional[str] = None
     """HF checkpoint directory (config.json, tokenizer, safetensors); null builds the tiny model offline (tiny only)."""
-    num_layers: int = 4
+    num_layers: int = positive(4)
     """Transformer layers."""
-    hidden_size: int = 128
+    hidden_size: int = positive(128)
     """Residual stream width (d_model)."""
-    num_attention_heads: int = 4
+    num_attention_heads: int = positive(4)
     """Query heads per layer."""
-    num_kv_heads: int = 2
+    num_kv_heads: int = positive(2)
     """Key/value heads per layer (GQA); equal to num_attention_heads for MHA."""
-    head_dim: Optional[int] = None
+    head_dim: Optional[int] = positive(None)
     """Per-head width; null means hidden_size / num_attention_heads."""
-    ffn_hidden_size: int = 384
+    ffn_hidden_size: int = positive(384)
     """Dense MLP intermediate width (for MoE models: the dense layers' width)."""
-    vocab_size: int = 128
+    vocab_size: int = positive(128)
     """Embedding rows (the padded vocabulary of the checkpoint)."""
-    max_position_embeddings: int = 256
+    max_position_embeddings: int = positive(256)
     """Context length in tokens the model was trained for (prompt + response must fit)."""
     tie_word_embeddings: bool = True
     """Output projection shares the input embedding matrix."""
-    rope_theta: float = 10000.0
+    rope_theta: float = positive(10000.0)
     """RoPE base frequency."""
-    num_experts: int = 0
+    num_experts: int = non_negative(0)
     """Routed experts per MoE layer; 0 for dense models."""
-    moe_top_k: int = 0
+    moe_top_k: int = non_negative(0)
     """Experts activated per token; 0 for dense models."""
-    moe_ffn_hidden_size: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = positive(None)
     """Intermediate width of one routed expert; null for dense models."""
 
-    sft_warm_start_steps: int = 0
+    sft_warm_start_steps: int = non_negative(0)
     """Built tiny model only (path null): SFT steps on the task's generated answers before RL (0: none)."""
 
     @property
@@ -56,3 +62,13 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def check(self, prefix: str) -> Iterator[Problem]:
+        """What the field domains cannot say (options.py)."""
+        if self.path is None and self.name != "tiny":
+            yield Problem((f"{prefix}path",), f"model={self.name} needs its HF checkpoint directory",
+                          f"set {prefix}path=/path/to/{self.name} (only model=tiny is built offline)")
+        if self.num_kv_heads > 0 and self.num_attention_heads % self.num_kv_heads:
+            yield Problem((f"{prefix}num_attention_heads", f"{prefix}num_kv_heads"),
+                          f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                          f"num_kv_heads={self.num_kv_heads}", "check the model option's numbers against its config.json")

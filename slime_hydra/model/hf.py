@@ -4,6 +4,7 @@ Used for the embedded default (model=tiny), for tests (tiny random models of eac
 benchmarks on GPU machines (a Qwen2.5-0.5B-shaped model with random weights measures speed, not learning).
 """
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -21,8 +22,6 @@ def load_tokenizer(path: str | Path):
     tokenizer_config.json names ``PreTrainedTokenizerFast``; every part of slime_hydra loads tokenizers here so
     the tiny tokenizer comes back exactly as it was saved (model/tiny.py).
     """
-    import json
-
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     config_file = Path(path) / "tokenizer_config.json"
@@ -32,6 +31,15 @@ def load_tokenizer(path: str | Path):
 
 
 GENERIC_TOKENIZER = "PreTrainedTokenizerFast"
+
+
+def save_tokenizer(tokenizer, save_dir) -> None:
+    """save_pretrained, declaring the generic fast class so ``model.hf.load_tokenizer`` restores it exactly."""
+    tokenizer.save_pretrained(save_dir)
+    config_file = Path(save_dir) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = GENERIC_TOKENIZER
+    config_file.write_text(json.dumps(config, indent=2))
 
 
 def hf_config(model: ModelConfig, **overrides) -> PretrainedConfig:
@@ -67,7 +75,5 @@ def build_random_checkpoint(model: ModelConfig, out_dir: Path, seed: int = 0, dt
     net = AutoModelForCausalLM.from_config(config, dtype=dtype)
     net.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer is not None:
-        from slime_hydra.model.tiny import save_tokenizer
-
         save_tokenizer(tokenizer, out_dir)
     return out_dir

@@ -10,12 +10,12 @@ template is ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
 a leading system message, and ``<|im_start|>assistant\\n`` as the generation prompt.
 """
 
-import json
-from pathlib import Path
 from typing import Optional
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+
+from slime_hydra.model.hf import save_tokenizer
 
 PAD, EOS, IM_START, IM_END, UNK = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
 SPECIAL_TOKENS = (PAD, EOS, IM_START, IM_END, UNK)
@@ -55,14 +55,3 @@ def build_tiny_tokenizer(save_dir: Optional[str] = None) -> PreTrainedTokenizerF
     if save_dir is not None:
         save_tokenizer(tokenizer, save_dir)
     return tokenizer
-
-
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, save_dir) -> None:
-    """save_pretrained, declaring the generic fast class so ``model.hf.load_tokenizer`` restores it exactly."""
-    from slime_hydra.model.hf import GENERIC_TOKENIZER
-
-    tokenizer.save_pretrained(save_dir)
-    config_file = Path(save_dir) / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["tokenizer_class"] = GENERIC_TOKENIZER
-    config_file.write_text(json.dumps(config, indent=2))

@@ -4,6 +4,7 @@ import difflib
 from typing import Any, Callable, Optional
 
 from slime_hydra.dotted import import_callable
+from slime_hydra.reward.config import REWARD_NAMES
 from slime_hydra.reward.dapo import dapo_reward
 from slime_hydra.reward.exact_match import exact_match_reward
 from slime_hydra.reward.f1 import f1_reward
@@ -18,8 +19,8 @@ BUILTINS: dict[str, RewardFn] = {
     "math": math_reward, "dapo": dapo_reward, "deepscaler": deepscaler_reward, "f1": f1_reward,
     "gpqa": gpqa_reward, "exact_match": exact_match_reward, "random": random_reward,
 }
-NAMES = (*BUILTINS, "remote", "custom")
-"""Every valid reward.name."""
+NAMES = REWARD_NAMES
+"""Every valid reward.name: the BUILTINS, remote and custom (reward/config.py)."""
 
 
 def group_reward(fn: Callable) -> Callable:

@@ -1,7 +1,8 @@
 """A reward server: POST {"response", "label", "metadata"} -> a float, a dict, or {"reward": x}.
 
 Each request has ``reward.timeout_s``; a failure (connection error, timeout, HTTP status >= 400, a body that is
-not a reward) is retried ``reward.max_retries`` times, waiting ``backoff_s``, then twice that, and so on. After
+not a reward) is retried ``reward.max_retries`` times, waiting about ``backoff_s``, then twice that, and so on
+(``net.backoff_s``: capped, with jitter). After
 the last attempt a ``RemoteRewardError`` names the URL, the attempts and the last error: a run does not go on
 with rewards silently missing.
 """
@@ -10,6 +11,8 @@ import asyncio
 from typing import Any, Optional
 
 import aiohttp
+
+from slime_hydra.net import backoff_s
 
 
 class RemoteRewardError(RuntimeError):
@@ -29,7 +32,7 @@ class RemoteReward:
         last: Exception | None = None
         for attempt in range(1 + self.max_retries):
             if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(backoff_s(attempt - 1, self.backoff_s))
             try:
                 return await self._post(payload)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:

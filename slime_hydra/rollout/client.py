@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import aiohttp
 import torch
 
-from slime_hydra.rollout.engines.weights import encode_named_tensors
+from slime_hydra.weight_transport import encode_named_tensors
 
 Response = dict[str, Any]
 
@@ -219,7 +219,7 @@ class SGLangClient:
 
     async def update_weights_from_cuda_ipc(self, handles: Sequence[Mapping], weight_version: Optional[str] = None,
                                            flush_cache: bool = True, timeout_s: Optional[float] = None) -> Any:
-        """Point the engine at tensors in the trainer's GPU memory (``engines/weights.share_cuda_bucket`` entries,
+        """Point the engine at tensors in the trainer's GPU memory (``weight_transport.share_cuda_bucket`` entries,
         one per trainer GPU); returns once it has copied them, after which the trainer may free the buffers."""
         payload = {"serialized_named_tensors": [json.dumps(list(handles))], "load_format": "cuda_ipc",
                    "flush_cache": flush_cache}

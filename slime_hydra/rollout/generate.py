@@ -1,6 +1,6 @@
 """Turning one pending sample into a generated one: the default generate, and user hooks.
 
-A generate function has the signature (DESIGN.md)::
+A generate function has the signature (a plug-in contract, docs/architecture.md)::
 
     async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict) -> Sample | list[Sample]
 

@@ -23,9 +23,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from slime_hydra.rollout.engines.process import ManagedProcess, free_port, http_status
+from slime_hydra.net import free_port
+from slime_hydra.rollout.config import ROUTER_POLICIES
+from slime_hydra.rollout.engines.process import ManagedProcess, http_status
 
-POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
 
 
 class RouterError(RuntimeError):
@@ -44,8 +45,8 @@ class Router:
                  policy: str = "round_robin", health_check_interval_s: int = 5, log_level: str = "warn",
                  log_path: Optional[Path] = None, extra_args: Sequence[str] = (),
                  env: Optional[Mapping[str, str]] = None):
-        if policy not in POLICIES:
-            raise ValueError(f"policy={policy!r}; sglang-router knows {POLICIES}")
+        if policy not in ROUTER_POLICIES:
+            raise ValueError(f"policy={policy!r}; choose one of {ROUTER_POLICIES}")
         self.host = host
         self.port = port or free_port(host)
         self.prometheus_port = prometheus_port or free_port(host)

@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from slime_hydra.options import positive
+
 
 @dataclass
 class TrackingConfig:
@@ -20,5 +22,5 @@ class TrackingConfig:
     """Write TensorBoard event files under <run_dir>/tensorboard."""
     progress: bool = True
     """Show the rich progress display on the terminal."""
-    log_every_steps: int = 1
+    log_every_steps: int = positive(1)
     """Metrics are emitted every N rollout steps."""

@@ -5,8 +5,7 @@ from typing import Mapping
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-PHASES = ("generate", "reward", "train", "sync")
-"""Phases timed in every step (perf/<phase>_time, seconds)."""
+from slime_hydra.tracking.phases import PHASES
 
 
 def summary(metrics: Mapping[str, float]) -> str:

@@ -82,6 +82,46 @@ class TrainBackend(ComputeCopyBackend):
         """Resume from ``save``'s checkpoint. Collective."""
 
 
+class StepMetrics:
+    """The loss callable's metrics over one optimizer step's micro-batches, on every data-parallel rank.
+
+    ``add(metrics, weight)`` with weight = units(micro-batch) / units(global batch, all DP ranks), so the weighted
+    sums over all micro-batches of all DP ranks are means over the global batch; metrics named ``*_max`` are maxima
+    instead. Values stay device tensors until ``values()`` (one sync, after the optimizer step is queued).
+    ``reduce(values, group)`` sums the means and maxes the maxima over the DP group."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor | float] = {}
+        self.maxima: dict[str, torch.Tensor | float] = {}
+
+    def add(self, metrics: dict, weight: float) -> None:
+        for name, value in metrics.items():
+            value = value.detach() if torch.is_tensor(value) else value
+            if name.endswith("_max"):
+                prev = self.maxima.get(name)
+                self.maxima[name] = value if prev is None else (
+                    torch.maximum(prev, value) if torch.is_tensor(value) else max(prev, value))
+            else:
+                self.sums[name] = self.sums.get(name, 0.0) + value * weight
+
+    def values(self) -> dict[str, float]:
+        """This rank's weighted sums and maxima as floats (the one device sync)."""
+        return {name: float(value) for name, value in {**self.sums, **self.maxima}.items()}
+
+    @staticmethod
+    def reduce(values: dict[str, float], group, device: torch.device) -> dict[str, float]:
+        """Sum the weighted means and max the maxima over ``group`` (the data-parallel ranks)."""
+        means = [n for n in values if not n.endswith("_max")]
+        maxima = [n for n in values if n.endswith("_max")]
+        out = {}
+        for names, op in ((means, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
+            if names:
+                reduced = torch.tensor([values[n] for n in names], dtype=torch.float64, device=device)
+                dist.all_reduce(reduced, op=op, group=group)
+                out.update(zip(names, reduced.tolist()))
+        return {name: out[name] for name in values}
+
+
 def rng_state() -> dict:
     """Every RNG a step draws from (python, numpy, torch, CUDA): saved per rank with each checkpoint."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}

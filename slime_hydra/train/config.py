@@ -8,50 +8,61 @@ Batch arithmetic (checked in config/rules.py, derived in config/derive.py):
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+from slime_hydra.options import choice, non_negative, positive, within
+
+TRAIN_BACKENDS = ("fsdp", "megatron")
+"""train.backend: the trainer implementations (train/group.py picks the class)."""
+TRAIN_DTYPES = ("bf16", "fp32")
+"""train.dtype: compute precision (train/precision.py)."""
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+"""train.lr_decay_style: schedules after warmup (train/optim.py)."""
+WEIGHT_SYNC_METHODS = ("distributed", "tensor", "disk")
+"""How weights reach the engines (train/weight_sync.py); train.weight_sync may also say ``auto``."""
+
 
 @dataclass
 class TrainConfig:
-    backend: str = "fsdp"
+    backend: str = choice("fsdp", TRAIN_BACKENDS)
     """fsdp (torch-native FSDP2 over the HF model) | megatron (megatron-core GPTModel)."""
-    num_gpus: int = 1
+    num_gpus: int = positive(1)
     """Training ranks (GPUs; on a CPU-only machine, CPU processes)."""
-    tp: int = 1
+    tp: int = positive(1)
     """Tensor-parallel size (megatron only)."""
-    pp: int = 1
+    pp: int = positive(1)
     """Pipeline-parallel size (megatron only)."""
-    cp: int = 1
+    cp: int = positive(1)
     """Context-parallel size (megatron only)."""
-    ep: int = 1
+    ep: int = positive(1)
     """Expert-parallel size for MoE models (megatron only; divides the data-parallel ranks)."""
-    global_batch_samples: Optional[int] = None
+    global_batch_samples: Optional[int] = positive(None)
     """Samples per optimizer step; null derives it from the rollout batch and optimizer_steps_per_rollout."""
-    optimizer_steps_per_rollout: Optional[int] = None
+    optimizer_steps_per_rollout: Optional[int] = positive(None)
     """Optimizer steps taken on one rollout batch; null derives it (1 when global_batch_samples is null too)."""
-    micro_batch_samples: int = 1
+    micro_batch_samples: int = positive(1)
     """Samples per forward/backward on one rank (gradient accumulation makes up the rest)."""
-    max_tokens_per_gpu: Optional[int] = None
+    max_tokens_per_gpu: Optional[int] = positive(None)
     """Dynamic micro-batching: pack sequences up to this many tokens per forward; null uses micro_batch_samples."""
-    lr: float = 1e-6
+    lr: float = positive(1e-6)
     """Peak learning rate of the policy."""
-    critic_lr: float = 1e-5
+    critic_lr: float = positive(1e-5)
     """Peak learning rate of the critic (PPO only)."""
-    min_lr: float = 0.0
+    min_lr: float = non_negative(0.0)
     """Learning rate at the end of the decay."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = non_negative(0)
     """Linear warmup in optimizer steps."""
-    lr_decay_style: str = "constant"
+    lr_decay_style: str = choice("constant", LR_DECAY_STYLES)
     """constant | linear | cosine (after warmup)."""
-    weight_decay: float = 0.0
+    weight_decay: float = non_negative(0.0)
     """AdamW decoupled weight decay."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = within(0.9, 0.0, 1.0, high_open=True)
     """AdamW beta1."""
-    adam_beta2: float = 0.98
+    adam_beta2: float = within(0.98, 0.0, 1.0, high_open=True)
     """AdamW beta2."""
-    adam_eps: float = 1e-8
+    adam_eps: float = positive(1e-8)
     """AdamW epsilon."""
-    clip_grad: float = 1.0
+    clip_grad: float = non_negative(1.0)
     """Global gradient-norm clip; 0 disables."""
-    dtype: str = "bf16"
+    dtype: str = choice("bf16", TRAIN_DTYPES)
     """Compute dtype of training: bf16 | fp32 (CPU runs use fp32)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
@@ -67,11 +78,9 @@ class TrainConfig:
     """train=megatron: shard the Adam state over the data-parallel (and context-parallel) peers, ZeRO stage 1
     (megatron's --use-distributed-optimizer; here torch's ZeroRedundancyOptimizer, train/optim.py). Nothing to
     shard with a single such peer."""
-    ref_on_cpu: bool = True
-    """Keep the reference policy's weights on the host and swap them in for ref logprobs (no second GPU copy)."""
-    weight_sync: str = "auto"
+    weight_sync: str = choice("auto", ("auto",) + WEIGHT_SYNC_METHODS)
     """auto (tensor when colocated, distributed otherwise) | tensor | distributed | disk."""
-    weight_sync_bucket_mb: int = 512
+    weight_sync_bucket_mb: int = positive(512)
     """Size bound of one weight-sync bucket in MiB."""
     megatron: Dict[str, Any] = field(default_factory=dict)
     """Passthrough Megatron options (argparse destinations), checked against a pinned snapshot of the names."""

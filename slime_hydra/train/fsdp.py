@@ -41,7 +41,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, response_logprobs, response_values)
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.backend import LossFn, TrainBackend, compile_mode, rng_state, set_rng_state
+from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, compile_mode, rng_state, set_rng_state
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.optim import build_optimizer
@@ -134,7 +134,7 @@ class FSDPBackend(TrainBackend):
         groups = micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu)
         total_units = loss_units(batch.loss_mask, self.loss_agg).to(torch.float64)
         dist.all_reduce(total_units)
-        sums: dict[str, torch.Tensor | float] = {}
+        step_metrics = StepMetrics()
         with self._computing():
             for k, idx in enumerate(groups):
                 host = batch.select(idx)  # weights and positions from host tensors: no device sync inside the loop
@@ -147,9 +147,7 @@ class FSDPBackend(TrainBackend):
                 (loss * weight * self.world).backward()
                 if self._compute is not None:
                     self._compute.accumulate_grads()
-                for name, value in metrics.items():
-                    value = value.detach() if torch.is_tensor(value) else value  # read after the step: one sync
-                    sums[name] = sums.get(name, 0.0) + value * weight
+                step_metrics.add(metrics, weight)
         max_norm = self.train_cfg.clip_grad if self.train_cfg.clip_grad > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -158,9 +156,7 @@ class FSDPBackend(TrainBackend):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        reduced = torch.tensor([float(v) for v in sums.values()], dtype=torch.float64)
-        dist.all_reduce(reduced)  # each rank's weighted sum covers its units; summed over ranks = global mean
-        out = dict(zip(sums, reduced.tolist()))
+        out = StepMetrics.reduce(step_metrics.values(), None, torch.device("cpu"))  # over all ranks (host, gloo)
         out.update(grad_norm=float(grad_norm), lr=lr)
         return out
 

@@ -10,7 +10,7 @@ every rank of one model replica (TP/PP peers in Megatron) sees the same rows. On
 GPU cluster, {CPU: 1} on a CPU-only machine.
 """
 
-import socket
+import importlib
 from pathlib import Path
 from typing import Callable
 
@@ -19,8 +19,12 @@ import torch
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from slime_hydra.net import free_port
 from slime_hydra.train.batch import TrainBatch
 from slime_hydra.train.config import TrainConfig
+
+BACKENDS = {"fsdp": "slime_hydra.train.fsdp.FSDPBackend", "megatron": "slime_hydra.train.megatron.backend.MegatronBackend"}
+"""train.backend (train/config.TRAIN_BACKENDS) -> the class each rank builds (imported there: a rank loads one)."""
 
 
 class TrainRank:
@@ -29,9 +33,7 @@ class TrainRank:
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port for the process group's rendezvous (asked of rank 0)."""
         ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            return ip, s.getsockname()[1]
+        return ip, free_port(ip)
 
     def setup(self, rank: int, world: int, master: tuple[str, int], backend: str, model_path: str,
               train: TrainConfig, total_steps: int, loss_agg: str, keep_reference: bool, role: str,
@@ -41,10 +43,8 @@ class TrainRank:
         assigned = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
         torch.set_num_threads(torch_threads or max(assigned, 1))
         init_distributed(rank, world, master_addr=master[0], master_port=master[1])
-        if backend == "fsdp":
-            from slime_hydra.train.fsdp import FSDPBackend as Backend
-        else:
-            from slime_hydra.train.megatron.backend import MegatronBackend as Backend
+        module, name = BACKENDS[backend].rsplit(".", 1)
+        Backend = getattr(importlib.import_module(module), name)
         kwargs = {"role": role} if role != "actor" else {}
         self.backend = Backend(model_path, train, total_steps, loss_agg=loss_agg, keep_reference=keep_reference,
                                **kwargs)
@@ -66,12 +66,11 @@ class TrainRank:
         """Run a backend method by name on this rank (save, load, export_hf: all collective)."""
         return getattr(self.backend, method)(*args)
 
-    def connect_rollout(self, method: str, manager, bucket_mb: int, run_dir: str) -> None:
-        """Set up weight sync to the rollout manager's engines (weight_sync.py)."""
-        from slime_hydra.weight_sync import WeightPusher, engine_dtype
+    def connect_rollout(self, method: str, manager, bucket_mb: int, run_dir: str, dtype: str) -> None:
+        """Set up weight sync to the rollout manager's engines (train/weight_sync.py)."""
+        from slime_hydra.train.weight_sync import WeightPusher
 
-        self.pusher = WeightPusher(self.backend, method, manager, bucket_mb, run_dir,
-                                   engine_dtype(self.backend.train_cfg.dtype))
+        self.pusher = WeightPusher(self.backend, method, manager, bucket_mb, run_dir, dtype)
 
     def push_weights(self, version: int) -> dict:
         return self.pusher.push(version)
@@ -115,11 +114,12 @@ class TrainGroup:
     def call(self, method: str, *args) -> list:
         return ray.get([r.call.remote(method, *args) for r in self.ranks])
 
-    def connect_rollout(self, method: str, manager, bucket_mb: int, run_dir: str) -> None:
-        ray.get([r.connect_rollout.remote(method, manager, bucket_mb, run_dir) for r in self.ranks])
+    def connect_rollout(self, method: str, manager, bucket_mb: int, run_dir: str, dtype: str) -> None:
+        """method: ``Derived.weight_sync``; dtype: ``Derived.engine_dtype`` (the engines' compute dtype)."""
+        ray.get([r.connect_rollout.remote(method, manager, bucket_mb, run_dir, dtype) for r in self.ranks])
 
     def push_weights(self, version: int) -> dict[str, float]:
-        """Weights of the current policy into every engine as ``version`` (weight_sync.py)."""
+        """Weights of the current policy into every engine as ``version`` (train/weight_sync.py)."""
         return ray.get([r.push_weights.remote(version) for r in self.ranks])[0]
 
     def shutdown(self) -> None:

@@ -13,6 +13,13 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from slime_hydra.train.config import TrainConfig
 
+DECAY = {
+    "constant": lambda progress: 1.0,
+    "linear": lambda progress: 1.0 - progress,
+    "cosine": lambda progress: (1.0 + math.cos(math.pi * progress)) / 2.0,
+}
+"""train.lr_decay_style (train/config.LR_DECAY_STYLES) -> decay(progress in [0, 1])."""
+
 
 def lr_at(step: int, train: TrainConfig, total_steps: int, peak: float | None = None) -> float:
     """Learning rate of optimizer step ``step`` (0-based) of ``total_steps``."""
@@ -23,8 +30,7 @@ def lr_at(step: int, train: TrainConfig, total_steps: int, peak: float | None = 
         return peak
     span = max(total_steps - train.lr_warmup_steps, 1)
     progress = min((step - train.lr_warmup_steps) / span, 1.0)
-    decay = 1 - progress if train.lr_decay_style == "linear" else (1 + math.cos(math.pi * progress)) / 2
-    return train.min_lr + (peak - train.min_lr) * decay
+    return train.min_lr + (peak - train.min_lr) * DECAY[train.lr_decay_style](progress)
 
 
 def build_optimizer(params, train: TrainConfig, total_steps: int, peak: float | None = None, shard_group=None):

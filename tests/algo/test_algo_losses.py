@@ -307,3 +307,4 @@ def test_kl_loss_is_coef_times_aggregated_kl():
     assert_close(m["kl_loss"], scalar(-0.25))
     loss, m = kl_loss(logp, ref, mask, kl_loss_type="k2", kl_loss_coef=0.1)
     assert_close((loss, m["kl_loss"]), (scalar(0.03125), scalar(0.3125)))
+

@@ -1,4 +1,4 @@
-"""The pinned option snapshots (``slime_hydra/config/snapshots``) hold what the real sources declare.
+"""The pinned option snapshots (``slime_hydra/snapshots``) hold what the real sources declare.
 
 Facts checked against SGLang 0.5.23 (``sglang/srt/arg_groups/fields/*.py``, ``server_args.py``) and Megatron-LM
 core_v0.16.1 (``megatron/training/arguments.py``, the dataclasses its ArgumentGroupFactory reads). Regenerate
@@ -10,7 +10,7 @@ from importlib import resources
 
 import pytest
 
-SNAPSHOTS = resources.files("slime_hydra.config").joinpath("snapshots")
+SNAPSHOTS = resources.files("slime_hydra").joinpath("snapshots")
 
 
 def load(name: str) -> dict:

@@ -14,7 +14,8 @@ import ray
 from slime_hydra.config import compose, to_config
 from slime_hydra.config.derive import derive
 from slime_hydra.loop import Session, _init_ray
-from slime_hydra.model.embedded import resolve_model_path
+from slime_hydra.model.warm_start import resolve_model_path
+from slime_hydra.tracking.phases import StepTimer
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.train.batch import collate
 
@@ -62,8 +63,8 @@ def test_engine_holds_the_trainer_weights_after_sync(ray_local, tmp_path, overri
         before, version = engine_logprobs(url)
         assert version == "0"
         assert max(abs(a - b) for a, b in zip(before, trainer_logprobs(session))) < 1e-5
-        samples = session.rollout_phase(0).pop("_samples")
-        session.train_phase(samples)
+        samples, _ = session.rollout_phase(0)
+        session.train_phase(samples, StepTimer())
         trained = trainer_logprobs(session)
         assert max(abs(a - b) for a, b in zip(before, trained)) > 1e-4     # the step changed the policy
         metrics = session.trainer.push_weights(1)

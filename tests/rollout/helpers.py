@@ -82,7 +82,7 @@ def send_weights(master_port: int, model_dir: str, world_size: int = 2, backend:
     """Trainer stand-in (run in its own process): host the weight-update group as rank 0, broadcast every tensor of
     ``model_dir`` (moved to ``device``) in sorted-name order, then wait for a line on stdin before leaving."""
     from slime_hydra.rollout.engines.embedded.server import read_checkpoint
-    from slime_hydra.rollout.engines.weights import (
+    from slime_hydra.weight_transport import (
         destroy_weight_update_group, init_weight_update_group, send_named_tensors,
     )
 
@@ -111,7 +111,7 @@ def start_manager(cfg, run_dir: Path, num_engines: int = 2):
     (manager, engine actors, engine urls). Ray must be initialised."""
     import ray
 
-    from slime_hydra.model.embedded import resolve_model_path
+    from slime_hydra.model.warm_start import resolve_model_path
     from slime_hydra.rollout.engines.actor import EngineActor
     from slime_hydra.rollout.manager import RolloutManager
 

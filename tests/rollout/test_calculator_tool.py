@@ -13,7 +13,7 @@ import torch
 
 from slime_hydra.buffer.sample import Sample, Status
 from slime_hydra.model.config import ModelConfig
-from slime_hydra.model.embedded import build_tiny_checkpoint
+from slime_hydra.model.warm_start import build_tiny_checkpoint
 from slime_hydra.model.hf import load_tokenizer
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.config import RolloutConfig

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from slime_hydra.rollout.client import EngineError, EngineTimeout, EngineUnavailable, SGLangClient
-from slime_hydra.rollout.engines import free_port, start_embedded_engine
+from slime_hydra.net import free_port
+from slime_hydra.rollout.engines import start_embedded_engine
 from slime_hydra.rollout.engines.embedded.server import read_checkpoint
-from slime_hydra.rollout.engines.weights import dtype_name
+from slime_hydra.weight_transport import dtype_name
 from tests.rollout.helpers import (
     EOS_PROMPT, build_models, hf_generate, load, logprobs, mean_abs_diff, reference_greedy, reference_logprobs,
     tokens,

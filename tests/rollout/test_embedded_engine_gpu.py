@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from slime_hydra.rollout.client import SGLangClient
-from slime_hydra.rollout.engines import free_port, start_embedded_engine
+from slime_hydra.net import free_port
+from slime_hydra.rollout.engines import start_embedded_engine
 from slime_hydra.rollout.engines.embedded.server import read_checkpoint
-from slime_hydra.rollout.engines.weights import dtype_name, gpu_uuid, share_cuda_bucket
+from slime_hydra.weight_transport import dtype_name, gpu_uuid, share_cuda_bucket
 from tests.rollout.helpers import (
     build_models, load, logprobs, mean_abs_diff, reference_greedy, reference_logprobs, tokens,
 )

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import ray
 
-from slime_hydra.model.embedded import resolve_model_path
+from slime_hydra.model.warm_start import resolve_model_path
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines.embedded.server import read_checkpoint
-from slime_hydra.rollout.engines.weights import dtype_name
+from slime_hydra.weight_transport import dtype_name
 from tests.rollout.helpers import manager_config, start_manager
 
 pytestmark = pytest.mark.slow

@@ -13,11 +13,13 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group
 
-from slime_hydra.config import ConfigError, collect_problems, compose, to_config
+from slime_hydra.config import ConfigError, collect_problems, compose, derive, to_config
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines import ServerProcess
 from slime_hydra.rollout.engines.actor import EngineActor, engine_gpu_ids
-from slime_hydra.rollout.engines.sglang import SGLangLaunch, engine_commands, launch_for, main, render_options
+from slime_hydra.launch.sglang_commands import main
+from slime_hydra.options import snapshot
+from slime_hydra.rollout.engines.sglang import SGLangLaunch, engine_commands, launch_for, render_options
 from tests.rollout.helpers import build_model
 
 BASE = ["python", "-m", "sglang.launch_server", "--model-path", "/ckpt/q", "--tokenizer-path", "/ckpt/q",
@@ -129,8 +131,7 @@ def test_bad_values_refused_with_the_fix():
         "[rollout.sglang.cuda_graph_bs_decode] 'cuda_graph_bs_decode' takes a list, got 8 (SGLang 0.5.23); "
         "write rollout.sglang.cuda_graph_bs_decode as [a, b, ...]",
         "[rollout.sglang.attention_backend] 'attention_backend'='fa9' is not one of "
-        + str(__import__("slime_hydra.config.passthrough", fromlist=["snapshot"]).snapshot("sglang_server_args")
-              ["options"]["attention_backend"]["choices"]) + " (SGLang 0.5.23); set rollout.sglang.attention_backend "
+        + str(snapshot("sglang_server_args")["options"]["attention_backend"]["choices"]) + " (SGLang 0.5.23); set rollout.sglang.attention_backend "
         "to one of them",
         "[rollout.sglang.max_running_requests] 'max_running_requests' takes an integer, got True (SGLang 0.5.23); "
         "set rollout.sglang.max_running_requests to an integer",
@@ -165,11 +166,11 @@ def test_launch_from_config():
     cfg = to_config(compose([*GPU, "rollout.num_gpus=4", "rollout.gpus_per_engine=2", "seed=7",
                              "data.max_prompt_tokens=512", "rollout.max_response_tokens=1024",
                              "+rollout.sglang.enable_torch_compile=true"]))
-    assert launch_for(cfg) == SGLangLaunch(model_path="/ckpt/Qwen2.5-0.5B", tp_size=2, dtype="bfloat16", seed=7,
+    assert launch_for(cfg, derive(cfg).engine_dtype) == SGLangLaunch(model_path="/ckpt/Qwen2.5-0.5B", tp_size=2, dtype="bfloat16", seed=7,
                                            context_tokens=1536, memory_saver=False,
                                            options={"mem_fraction_static": 0.7, "enable_torch_compile": True})
     colocated = to_config(compose([*GPU, "cluster.colocate=true", "train.num_gpus=2", "train.dtype=fp32"]))
-    spec = launch_for(colocated)
+    spec = launch_for(colocated, derive(colocated).engine_dtype)
     assert (spec.dtype, spec.memory_saver, spec.tp_size) == ("float32", True, 1)
 
 
@@ -188,7 +189,7 @@ def test_cli_prints_every_engine(capsys):
 def test_engine_commands_quote_paths():
     cfg = to_config(compose([*GPU[:-1], "model.path=/ckpt/my model", "rollout.num_gpus=1",
                              "+rollout.sglang.chat_template='/t/my template.jinja'"]))
-    (line,) = engine_commands(cfg, 1)
+    (line,) = engine_commands(cfg, derive(cfg))
     assert "--model-path '/ckpt/my model' --tokenizer-path '/ckpt/my model'" in line
     assert line.endswith("--mem-fraction-static 0.7 --chat-template '/t/my template.jinja'")
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from slime_hydra.rollout.engines.weights import (
+from slime_hydra.weight_transport import (
     decode_named_tensors, dtype_from_name, dtype_name, encode_named_tensors, recv_named_tensors,
 )
 

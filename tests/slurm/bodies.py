@@ -5,7 +5,7 @@ import os
 import time
 from pathlib import Path
 
-from slime_hydra.launch import preempt
+from slime_hydra import preempt
 
 
 def ray_nodes(cfg, run_dir: Path) -> str:

@@ -14,7 +14,7 @@ def _log_steps(tracker, steps):
     for k in steps:
         tracker.log(k, {"rollout/raw_reward": 0.1 * k, "eval/addition/accuracy": 0.05 * k, "train/ppo_kl": 0.0,
                         "train/entropy_loss": 1.0 - 0.1 * k, "rollout/response_len/mean": 3.0,
-                        "perf/generate_time": 1.5, "perf/train_time": 2.0})
+                        "perf/rollout_time": 1.5, "perf/train_time": 2.0})
 
 
 def test_metrics_jsonl_and_resume_never_repeats_a_step(tmp_path):
@@ -78,5 +78,5 @@ def test_report_writes_one_png_per_panel(tmp_path):
 
 def test_progress_summary_line():
     line = summary({"rollout/raw_reward": 0.5, "eval/addition/accuracy": 0.72, "perf/tokens_per_s": 1234.4,
-                    "perf/generate_time": 1.25, "perf/train_time": 2.0})
-    assert line == "reward 0.500 | addition 72.0% | 1234 tok/s | generate 1.2s train 2.0s"
+                    "perf/rollout_time": 1.25, "perf/train_time": 2.0, "perf/weight_sync_time": 0.05})
+    assert line == "reward 0.500 | addition 72.0% | 1234 tok/s | rollout 1.2s train 2.0s weight_sync 0.1s"

@@ -3,7 +3,6 @@ logprob checks both backends share."""
 
 import os
 import pickle
-import socket
 import tempfile
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch.multiprocessing as mp
 
 from slime_hydra.model.config import ModelConfig
 from slime_hydra.model.hf import build_random_checkpoint
+from slime_hydra.net import free_port
 from slime_hydra.train.batch import collate
 
 TINY = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=128,
@@ -45,12 +45,6 @@ def pg_loss(logp, entropy, mb):
     return loss, {"pg_loss": loss.detach()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank, world, port, fn, args, queue):
     from slime_hydra.train.backend import init_distributed
 
@@ -71,7 +65,7 @@ def run_ranks(world: int, fn, *args):
     """[result of rank 0, ..., rank world-1] of fn(rank, world, *args) run under a fresh gloo group."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = mp.start_processes(_entry, args=(world, _free_port(), fn, args, queue), nprocs=world, join=False,
+    procs = mp.start_processes(_entry, args=(world, free_port(), fn, args, queue), nprocs=world, join=False,
                                start_method="spawn")
     results = {}
     for _ in range(world):  # drain before joining: a big result blocks the pipe

@@ -51,3 +51,4 @@ def test_empty_response_is_refused():
     bad[0].tokens, bad[0].response_length, bad[0].loss_mask, bad[0].rollout_log_probs = [1, 2], 0, [], []
     with pytest.raises(ValueError, match="empty response"):
         to_train_batch(bad, pad_id=0)
+

@@ -3,7 +3,8 @@
 The held-out split is every problem with (a * 100 + b) % 10 == 7 (1,000 problems, 10%), fixed, so train and eval
 never share a problem whatever the seed. Rows are dicts {"prompt", "label", "metadata"}, the same shape a JSONL
 dataset gives, so the task goes through the normal dataset path. ``sft_rows`` gives prompt + answer pairs for the
-embedded default's warm start (ENVIRONMENT.md: GRPO from a random init gets no signal on this task).
+embedded default's warm start (GRPO from a random init gets no signal on this task: docs/architecture.md
+"Machine facts").
 """
 
 import random

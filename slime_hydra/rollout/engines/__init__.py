@@ -7,8 +7,7 @@ shared with the trainer side (process group, tensor payloads).
 """
 
 from slime_hydra.rollout.engines.process import (
-    EngineProcess, ManagedProcess, ServerProcess, embedded_command, free_port, start_embedded_engine,
+    EngineProcess, ManagedProcess, ServerProcess, embedded_command, start_embedded_engine,
 )
 
-__all__ = ["EngineProcess", "ManagedProcess", "ServerProcess", "embedded_command", "free_port",
-           "start_embedded_engine"]
+__all__ = ["EngineProcess", "ManagedProcess", "ServerProcess", "embedded_command", "start_embedded_engine"]

@@ -22,7 +22,8 @@ from typing import Optional
 
 import ray
 
-from slime_hydra.rollout.engines.process import ServerProcess, embedded_command, free_port
+from slime_hydra.net import free_port
+from slime_hydra.rollout.engines.process import ServerProcess, embedded_command
 from slime_hydra.rollout.engines.sglang import SGLangLaunch
 
 EMBEDDED_START_TIMEOUT_S = 300.0

@@ -11,7 +11,6 @@ SIGKILL after a grace period) and nothing else on the machine.
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,12 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+from slime_hydra.net import free_port
 
 
 def http_status(url: str, timeout_s: float = 2.0) -> Optional[int]:

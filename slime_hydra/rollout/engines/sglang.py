@@ -2,13 +2,12 @@
 
 SGLang runs only on a prepared GPU cluster (it pins its own torch and CUDA kernels), so nothing here imports it:
 the command line is rendered from the config and the pinned snapshot of SGLang's ``ServerArgs``
-(``config/snapshots/sglang_server_args.json``), and ``EngineActor`` starts it through the same ``ServerProcess``
+(``snapshots/sglang_server_args.json``), and ``EngineActor`` starts it through the same ``ServerProcess``
 wrapper, health check (``GET /health_generate``), log file and stop/restart as the embedded engine. Everything
 after start-up (generation, aborts, weight updates, memory release/resume) goes through SGLang's HTTP protocol
 (``rollout/client.py``), which the embedded engine speaks too.
 
-What the platform sets on every engine (``SGLANG_OWNED`` in ``config/passthrough.py`` refuses them in
-``rollout.sglang``)::
+What the platform sets on every engine (``SGLANG_OWNED`` below refuses them in ``rollout.sglang``)::
 
     --model-path / --tokenizer-path   model.path
     --host --port --nccl-port         picked per engine at start (loopback on one machine, the node's IP on many)
@@ -33,7 +32,7 @@ argparse parser reads it back:
 - scalars are one flag and one value, checked against the snapshot's type and choices; ``null`` leaves SGLang's
   default (the option is not rendered).
 
-``python -m slime_hydra.rollout.engines.sglang [hydra overrides...]`` prints the command of every engine the
+``python -m slime_hydra.launch.sglang_commands [hydra overrides...]`` prints the command of every engine the
 config would start (host and ports appear as ``$HOST``, ``$PORT``, ``$NCCL_PORT``: they are picked at start);
 ``python launch.py rollout=sglang ... dry_run=true`` prints them too, in the plan.
 """
@@ -44,13 +43,40 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Union
 
-from slime_hydra.config.errors import ConfigError, Problem
-from slime_hydra.config.passthrough import check_sglang_names, snapshot
+from slime_hydra.options import ConfigError, Problem, passthrough_problems, snapshot
 
 SGLANG_MODULE = "sglang.launch_server"
 """The module every engine runs (``python -m sglang.launch_server``)."""
 INITIAL_WEIGHT_VERSION = "0"
 """The weight_version an engine starts with (the embedded engine's default too); syncs set the trainer's step."""
+
+PLACEMENT = "set by the platform from the Ray placement (it picks ports, GPUs and addresses per engine)"
+
+SGLANG_OWNED = {  # the ServerArgs fields each engine gets from the platform (the table above)
+    "model_path": "model.path",
+    "tokenizer_path": "model.path",
+    "tp_size": "rollout.gpus_per_engine",
+    "dp_size": "rollout.num_gpus (engines = rollout.num_gpus / rollout.gpus_per_engine)",
+    "context_length": "data.max_prompt_tokens + rollout.max_response_tokens (derived)",
+    "random_seed": "seed",
+    "dtype": "train.dtype (engines compute in the dtype weights are synced in)",
+    "weight_version": "the trainer's step (set by every weight sync)",
+    "enable_memory_saver": "cluster.colocate (colocated engines release GPU memory while the trainer runs)",
+    "host": PLACEMENT,
+    "port": PLACEMENT,
+    "base_gpu_id": PLACEMENT,
+    "nccl_port": PLACEMENT,
+    "dist_init_addr": PLACEMENT,
+    "nnodes": PLACEMENT,
+    "node_rank": PLACEMENT,
+}
+
+
+
+def check_sglang_names(options: dict) -> Iterator[Problem]:
+    """rollout.sglang keys that are no ServerArgs field, or that the platform sets itself."""
+    yield from passthrough_problems("rollout.sglang", options, "sglang_server_args", SGLANG_OWNED)
+
 
 _JSON_PARSERS = ("json.loads", "json_list_type", "parse_cuda_graph_config_arg")
 _INT_TYPES = ("int", "Optional[int]")
@@ -95,8 +121,9 @@ class SGLangLaunch:
         return argv + render_options(self.options)
 
 
-def launch_for(cfg, model_path: str | None = None) -> SGLangLaunch:
-    """The SGLangLaunch of a SlimeConfig (model_path: the checkpoint the run uses; default model.path)."""
+def launch_for(cfg, dtype: str, model_path: str | None = None) -> SGLangLaunch:
+    """The SGLangLaunch of a SlimeConfig (it reads model.path, rollout, data, seed and cluster.colocate); dtype:
+    the engines' (``Derived.engine_dtype``); model_path: the checkpoint the run uses (default model.path)."""
     path = model_path or cfg.model.path
     if path is None:
         raise ConfigError([Problem(("model.path", "rollout.backend"), "rollout=sglang needs a checkpoint directory",
@@ -105,7 +132,7 @@ def launch_for(cfg, model_path: str | None = None) -> SGLangLaunch:
                                                    if e.max_response_tokens is not None]
     return SGLangLaunch(
         model_path=str(path), tp_size=cfg.rollout.gpus_per_engine,
-        dtype="bfloat16" if cfg.train.dtype == "bf16" else "float32", seed=cfg.seed,
+        dtype=dtype, seed=cfg.seed,
         context_tokens=cfg.data.max_prompt_tokens + max(budgets),
         memory_saver=cfg.cluster.colocate, options=dict(cfg.rollout.sglang))
 
@@ -240,9 +267,11 @@ def _scalar(key: str, spec: dict, value: Any) -> str:
 # Printing the commands
 # ---------------------------------------------------------------------------------------------------------------------
 
-def engine_commands(cfg, num_engines: int) -> list[str]:
-    """One shell line per engine, with $HOST / $PORT / $NCCL_PORT where values are picked at start."""
-    launch = launch_for(cfg, cfg.model.path or "$MODEL_PATH")
+def engine_commands(cfg, derived) -> list[str]:
+    """One shell line per engine of a SlimeConfig and its Derived values, with $HOST / $PORT / $NCCL_PORT where
+    values are picked at start."""
+    launch = launch_for(cfg, derived.engine_dtype, cfg.model.path or "$MODEL_PATH")
+    num_engines = derived.num_engines
     lines = []
     for i in range(num_engines):
         argv = launch.command(i, "$HOST", "$PORT", "$NCCL_PORT", python="python")
@@ -250,28 +279,3 @@ def engine_commands(cfg, num_engines: int) -> list[str]:
         lines.append(f"# engine {i} of {num_engines} ({gpus}; CUDA_VISIBLE_DEVICES set from Ray)\n"
                      + " ".join(a if a.startswith("$") else shlex.quote(a) for a in argv))
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Compose the config from Hydra overrides, validate it, print every engine's SGLang command; exit 2 on a bad
-    config."""
-    from slime_hydra.config import collect_problems, compose, to_config
-
-    try:
-        cfg = to_config(compose(list(sys.argv[1:] if argv is None else argv)))
-        problems, derived = collect_problems(cfg)
-        if problems:
-            raise ConfigError(problems)
-        if cfg.rollout.backend != "sglang":
-            raise ConfigError([Problem(("rollout.backend",), f"rollout.backend={cfg.rollout.backend} starts no "
-                                       "SGLang servers", "add rollout=sglang")])
-        lines = engine_commands(cfg, derived.num_engines)
-    except ConfigError as error:
-        print(f"slime_hydra: {error}", file=sys.stderr)
-        return 2
-    print("\n".join(lines))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

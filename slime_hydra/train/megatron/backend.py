@@ -72,7 +72,7 @@ from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, 
                                               transformer_engine_available)
 from slime_hydra.train.megatron.pipeline import Pipeline
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from slime_hydra.train.backend import LossFn, TrainBackend, compile_mode
+from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, compile_mode
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.optim import build_optimizer
 
@@ -283,14 +283,12 @@ class MegatronBackend(TrainBackend):
         dist.all_reduce(total_units, group=self.dp_group)
         hosts = [batch.select(idx) for idx in groups]  # loss weights from host tensors: no sync inside the loop
         weights = [float(loss_units(h.loss_mask, self.loss_agg)) / float(total_units) for h in hosts]
-        sums: dict[str, torch.Tensor | float] = {}
+        step_metrics = StepMetrics()
 
         def loss_of(k, mb, out):
             logp, entropy = self._head(out, mb, temperature, with_entropy)
             loss, metrics = loss_fn(logp, entropy, mb)
-            for name, value in metrics.items():
-                value = value.detach() if torch.is_tensor(value) else value  # read after the step: one sync
-                sums[name] = sums.get(name, 0.0) + value * weights[k]
+            step_metrics.add(metrics, weights[k])
             return loss * weights[k] * self.dp_size
 
         with self._computing():
@@ -302,15 +300,13 @@ class MegatronBackend(TrainBackend):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        sums = {name: float(value) for name, value in sums.items()}  # read once the optimizer step is queued
+        values = step_metrics.values()  # read once the optimizer step is queued
         if self.pp_size > 1:  # the metrics were computed on the last stage
-            box = [sums]
+            box = [values]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, self.pp_size - 1),
                                        group=self.pp_group)
-            sums = box[0]
-        reduced = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
-        dist.all_reduce(reduced, group=self.dp_group)  # each DP rank's weighted sum covers its units
-        out = dict(zip(sums, reduced.tolist()))
+            values = box[0]
+        out = StepMetrics.reduce(values, self.dp_group, self.device)
         out.update(grad_norm=float(grad_norm), lr=lr)
         return out
 

@@ -6,7 +6,7 @@ Which spec:
 - otherwise megatron's local spec with ``SelfAttention`` (megatron's, with a QKV split and RoPE that compile to
   cheap kernels; same arithmetic) and ``SDPACoreAttention`` in place of DotProductAttention (whose score buffer
   and default causal mask are allocated on CUDA, and which materialises the [b, np, s, s] scores: on a GPU the
-  SDPA spec trained ~1.7x faster, see shared/notes/ENVIRONMENT.md), and ``RowParallelLinear`` (attention output
+  SDPA spec trained ~1.7x faster, docs/architecture.md "Machine facts"), and ``RowParallelLinear`` (attention output
   and MLP down projections) passing its TP group, so torch.compile takes a whole layer as one graph. With cp > 1
   attention gathers K/V over the CP group (context_parallel.py: megatron's local attention asserts cp=1, its CP
   lives in TransformerEngine's).

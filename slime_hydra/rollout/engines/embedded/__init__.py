@@ -72,7 +72,7 @@ paused in place, in which case it applies at once and the paused requests contin
 
 Weight transport: ``/update_weights_from_tensor`` takes ``serialized_named_tensors: [base64 safetensors]``, or with
 ``load_format: "cuda_ipc"`` a JSON list of CUDA IPC handles to the trainer's buffers on the same GPU (see
-``engines/weights.py``; no pickle either way). ``/update_weights_from_distributed`` receives
+``slime_hydra/weight_transport.py``; no pickle either way). ``/update_weights_from_distributed`` receives
 ``names``/``dtypes``/``shapes`` broadcast from rank 0 of the group made by ``/init_weights_update_group``
 (``master_address``, ``master_port``, ``rank_offset``, ``world_size``, ``group_name``, ``backend``: gloo on CPU, nccl
 on GPU). Tensors may be any subset of

@@ -26,7 +26,8 @@ class _SkipGrpcProbes(logging.Filter):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=package.__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m slime_hydra.rollout.engines.embedded",
+                                     description=package.__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model-path", required=True, help="local HF checkpoint directory")
     parser.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: the model's, if any)")

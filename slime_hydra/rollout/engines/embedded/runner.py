@@ -18,7 +18,7 @@ import torch
 from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError
 from slime_hydra.rollout.engines.embedded.sampling import sample, score_prompt
 from slime_hydra.rollout.engines.embedded.slots import DecodeGraphs, SlotKV, register_attention
-from slime_hydra.rollout.engines.weights import destroy_weight_update_group
+from slime_hydra.weight_transport import destroy_weight_update_group
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from slime_hydra.rollout.engines.embedded.protocol import RequestError, parse_generate
 from slime_hydra.rollout.engines.embedded.scheduler import Engine
-from slime_hydra.rollout.engines.weights import (
+from slime_hydra.weight_transport import (
     decode_named_tensors, init_weight_update_group, open_cuda_bucket, recv_named_tensors,
 )
 
@@ -217,7 +217,7 @@ def build_app(engine: Engine, max_request_mb: int = 4096) -> web.Application:
         fmt = body.get("load_format")
         if fmt not in (None, "cuda_ipc"):
             raise RequestError(f"load_format={fmt!r}: the embedded engine takes its default format (base64 "
-                               "safetensors) or cuda_ipc (see engines/weights.py)")
+                               "safetensors) or cuda_ipc (see slime_hydra/weight_transport.py)")
         if not isinstance(payloads, list) or len(payloads) != 1 or not isinstance(payloads[0], str):
             raise RequestError("serialized_named_tensors must be a list with one string (the embedded engine has "
                                "one tensor-parallel rank): base64 safetensors, or with load_format=cuda_ipc a JSON "

@@ -1,6 +1,7 @@
-"""Weight-transfer helpers shared by the trainer side and the embedded engine.
+"""Weight-transfer helpers shared by the trainer side (train/weight_sync.py, the sender) and the engines (the
+embedded engine and the rollout manager's replay, the receivers).
 
-Two transports move a trainer's weights into running engines without going through disk:
+``buckets`` cuts a stream of named tensors into requests of bounded size. Two transports move a trainer's weights into running engines without going through disk:
 
 - **distributed**: the trainer's rank 0 and every engine join one extra process group (``init_weight_update_group``;
   trainer rank 0, engine ranks ``rank_offset + i``), then the trainer broadcasts each tensor from rank 0 in the order
@@ -44,6 +45,21 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs in order into lists of at most bucket_bytes (a larger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,14 +1,14 @@
 """Weight sync: the trainer's current weights into every rollout engine, as a new weight version.
 
-Run on every training rank at once (gathering full tensors is collective); rank 0 does the sending. The method
-comes from ``train.weight_sync`` (``auto``: tensor when colocated, distributed otherwise):
+Run on every training rank at once (gathering full tensors is collective); rank 0 does the sending. The method is
+``train.weight_sync`` with ``auto`` resolved (``Derived.weight_sync``, config/derive.py):
 
 - **distributed**: trainer rank 0 and every engine form one broadcast group (gloo on CPU, NCCL on GPU; made once,
   at the first sync). Tensors go in buckets of at most ``train.weight_sync_bucket_mb``: for each bucket rank 0
   asks the rollout manager to announce it to the engines (``/update_weights_from_distributed`` with the names,
   dtypes and shapes) and broadcasts the tensors in that order; the engines load them as they arrive.
 - **tensor**: the colocated path. On GPUs every rank copies the bucket into one flat buffer on its GPU and shares
-  a CUDA IPC handle to it (``engines/weights.share_cuda_bucket``); rank 0 collects the handles and the manager
+  a CUDA IPC handle to it (``weight_transport.share_cuda_bucket``); rank 0 collects the handles and the manager
   hands them to ``/update_weights_from_tensor`` (``load_format: cuda_ipc``): each engine copies, device to
   device, from the buffer on its own GPU, and only ~1 KB of JSON per bucket goes through Ray and HTTP. On CPU the
   buckets travel through Ray's object store as tensors and reach the engines as base64 safetensors.
@@ -17,12 +17,9 @@ comes from ``train.weight_sync`` (``auto``: tensor when colocated, distributed o
 
 Every sync: generation held in place (``begin_weight_update``), the buckets, then ``finish_weight_update`` (flush
 caches, resume, advance the buffer's version). The last bucket carries the version, so an engine reports the new
-version only once it has every tensor. Tensors are sent in the engine's compute dtype: bf16 when training in bf16
-on a GPU, else fp32.
+version only once it has every tensor. Tensors are sent in the engines' compute dtype (``Derived.engine_dtype``).
 """
 
-import socket
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -30,55 +27,41 @@ import ray
 import torch
 import torch.distributed as dist
 
-from slime_hydra.rollout.engines.weights import (
-    destroy_weight_update_group, dtype_name, init_weight_update_group, send_named_tensors, share_cuda_bucket,
+from slime_hydra.net import free_port
+from slime_hydra.weight_transport import (
+    buckets, destroy_weight_update_group, dtype_from_name, dtype_name, init_weight_update_group, send_named_tensors,
+    share_cuda_bucket,
 )
-
-METHODS = ("distributed", "tensor", "disk")
-
-
-def choose_method(weight_sync: str, colocate: bool, engine: str = "embedded") -> str:
-    """train.weight_sync with ``auto`` resolved from the placement and the engine kind: colocated embedded engines
-    take CUDA IPC handles (``tensor``), colocated SGLang engines reload from disk (the handles are in the embedded
-    engine's format, not SGLang's pickled one), separate GPUs get an NCCL broadcast (``distributed``)."""
-    if weight_sync == "auto":
-        return ("tensor" if engine == "embedded" else "disk") if colocate else "distributed"
-    if weight_sync not in METHODS:
-        raise ValueError(f"train.weight_sync={weight_sync!r}; choose auto, {', '.join(METHODS)}")
-    return weight_sync
-
-
-def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group (name, tensor) pairs in order into lists of at most bucket_bytes (a larger tensor goes alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
 
 class WeightPusher:
     """Lives on one training rank; ``push`` is called on all ranks together, once per sync."""
 
-    def __init__(self, backend, method: str, manager, bucket_mb: int, run_dir: str, send_dtype: torch.dtype):
+    def __init__(self, backend, method: str, manager, bucket_mb: int, run_dir: str, dtype: str):
+        """method: ``Derived.weight_sync``; dtype: the engines' (``Derived.engine_dtype``, a torch dtype name)."""
         self.backend, self.method, self.manager = backend, method, manager
         self.bucket_bytes = bucket_mb * 1024 * 1024
-        self.run_dir, self.send_dtype = Path(run_dir), send_dtype
+        self.run_dir, self.send_dtype = Path(run_dir), dtype_from_name(dtype)
         self.rank = dist.get_rank()
         self.group = None
 
     def push(self, version: int) -> dict[str, float]:
-        """Send the current weights as ``version``; returns {"perf/weight_sync_time": s, "sync/bytes": n}."""
-        start = time.monotonic()
-        sent = 0
+        """Send the current weights as ``version``; returns {"sync/bytes": n}."""
         if self.rank == 0:
             ray.get(self.manager.begin_weight_update.remote())
+        try:
+            sent = self._send_all(version)
+        except BaseException:
+            if self.rank == 0:  # generation resumes and the relay's lock is released (weight_relay.py)
+                ray.get(self.manager.abort_weight_update.remote())
+            raise
+        if self.rank == 0:
+            ray.get(self.manager.finish_weight_update.remote(version))
+        dist.barrier()
+        return {"sync/bytes": float(sent)}
+
+    def _send_all(self, version: int) -> int:
+        """Every tensor to the engines by this method; returns the bytes sent (rank 0's count)."""
+        sent = 0
         if self.method == "disk":
             out = self.run_dir / "weights" / "latest"
             out.mkdir(parents=True, exist_ok=True)
@@ -97,10 +80,7 @@ class WeightPusher:
                 pending = following
             if torch.cuda.is_available():
                 torch.cuda.ipc_collect()  # free shared buffers the engines have let go of
-        if self.rank == 0:
-            ray.get(self.manager.finish_weight_update.remote(version))
-        dist.barrier()
-        return {"perf/weight_sync_time": time.monotonic() - start, "sync/bytes": float(sent)}
+        return sent
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.backend.iter_full_weights():
@@ -139,17 +119,9 @@ class WeightPusher:
             destroy_weight_update_group(self.group)
             self.group = None
         host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
+        port = free_port(host)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         engines = ray.get(self.manager.num_engines.remote())
         joined = self.manager.init_weight_sync.remote(host, port, backend)
         self.group = init_weight_update_group(host, port, 0, 1 + engines, backend=backend)
         ray.get(joined)
-
-
-def engine_dtype(train_dtype: str) -> torch.dtype:
-    """The dtype weights are sent in: the engines compute in bf16 on GPU when training is bf16."""
-    return torch.bfloat16 if train_dtype == "bf16" and torch.cuda.is_available() else torch.float32
-

@@ -1,0 +1,32 @@
+"""``python -m slime_hydra.launch.sglang_commands [hydra overrides...]``: the command of every SGLang engine a config
+would start, without starting anything (the same lines ``dry_run=true`` prints at the end of its plan; the
+rendering is rollout/engines/sglang.py's)."""
+
+import sys
+
+from slime_hydra.config import collect_problems, compose, to_config
+from slime_hydra.options import ConfigError, Problem
+from slime_hydra.rollout.engines.sglang import engine_commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compose the config from Hydra overrides, validate it, print every engine's SGLang command; exit 2 on a bad
+    config."""
+    try:
+        cfg = to_config(compose(list(sys.argv[1:] if argv is None else argv)))
+        problems, derived = collect_problems(cfg)
+        if problems:
+            raise ConfigError(problems)
+        if cfg.rollout.backend != "sglang":
+            raise ConfigError([Problem(("rollout.backend",), f"rollout.backend={cfg.rollout.backend} starts no "
+                                       "SGLang servers", "add rollout=sglang")])
+        lines = engine_commands(cfg, derived)
+    except ConfigError as error:
+        print(f"slime_hydra: {error}", file=sys.stderr)
+        return ConfigError.exit_code
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""``EnginePool``: the engines behind the router, kept in service (start, health, restart, router membership).
+
+It owns the engines' ``EngineActor`` handles, one ``SGLangClient`` per engine (control calls go to each engine
+directly: sglang-router does not forward them) and their membership in the router. The rollout manager generates
+through the router; the weight relay (weight_relay.py) reaches the engines through ``on_weight_receivers``.
+
+Health. Every ``rollout.health_check_interval_s`` (and whenever a ``/generate`` could not reach an engine) each
+engine in service is checked: its process is alive (``EngineActor.alive``) and ``GET /health`` answers; 3 failed
+answers in a row count as dead. A dead engine is removed from the router at once (so retries go to the others),
+restarted on the same port (``EngineActor.restart``: it comes back with the initial checkpoint), given the newest
+weights by the relay (``replay``), and only then added back to the router. When the newest weights cannot be
+replayed from here (a broadcast or CUDA IPC sync: the tensors never passed through this process), the restarted
+engine stays out of the router until the next sync reaches it (``register_awaiting``), and a broadcast group that
+lost a member must be formed again (``group_stale``).
+
+Syncs and replays exclude each other through ``weights_lock``: a restart replays only while no sync is running,
+so a restarted engine always ends on the newest version.
+"""
+
+import asyncio
+from typing import Awaitable, Callable, Optional
+
+from slime_hydra.rollout.client import EngineError, SGLangClient
+from slime_hydra.rollout.router import Router, RouterError
+
+UNHEALTHY_CHECKS = 3
+"""Failed ``GET /health`` answers in a row after which a live engine process counts as dead and is restarted."""
+HEALTH_TIMEOUT_S = 5.0
+"""Seconds one health answer may take."""
+REGISTER_TIMEOUT_S = 120.0
+"""Seconds the router may take to list a (re-)registered engine healthy."""
+
+
+class EnginePool:
+    def __init__(self, engines: list, router: Router, health_check_interval_s: float):
+        """engines: EngineActor handles (already placed); router: not started yet; health_check_interval_s: 0
+        disables the periodic checks (failed requests still trigger one)."""
+        self.engines = list(engines)
+        self.router = router
+        self.health_check_interval_s = health_check_interval_s
+        self.urls: list[str] = []
+        self.clients: list[SGLangClient] = []
+        self.down: dict[int, str] = {}
+        """Engines out of service (index -> why), from the moment a check finds them dead until they are back."""
+        self.awaiting_weights: set[int] = set()
+        """Restarted engines that wait for the next sync (the newest weights could not be replayed)."""
+        self.group_stale = False
+        """An engine restarted since the broadcast group was formed: the trainer must form it again."""
+        self.weights_lock = asyncio.Lock()
+        """Held by a weight sync from its begin to its finish, and by a replay into a restarted engine."""
+        self.replay: Optional[Callable[[int], Awaitable[bool]]] = None
+        """The weight relay's replay of the newest weights into engine i (False: it cannot, wait for a sync)."""
+        self.restarts_total = 0
+        """Engines found dead since start (each is restarted)."""
+        self._restarts: dict[int, asyncio.Task] = {}
+        self._unhealthy_checks: dict[int, int] = {}
+        self._check_lock = asyncio.Lock()
+        self._monitor: Optional[asyncio.Task] = None
+
+    async def start(self) -> list[str]:
+        """Start the router and every engine, register the engines, wait until the router sees them healthy."""
+        self.router.start()
+        self.urls = list(await asyncio.gather(*[e.start.remote() for e in self.engines]))
+        for url in self.urls:
+            self.router.add_worker(url)
+        await asyncio.to_thread(self.router.wait_ready, len(self.urls), REGISTER_TIMEOUT_S)
+        self.clients = [SGLangClient(url) for url in self.urls]
+        if self.health_check_interval_s > 0:
+            self._monitor = asyncio.ensure_future(self._watch())
+        return self.urls
+
+    # ---- calling the engines -------------------------------------------------------------------------------------
+    async def on_engines(self, method: str, *args, **kwargs) -> list:
+        """Call ``method`` of every engine in service (engines being restarted are skipped)."""
+        return list(await asyncio.gather(*[getattr(self.clients[i], method)(*args, **kwargs)
+                                           for i in range(len(self.clients)) if i not in self.down]))
+
+    async def on_weight_receivers(self, method: str, *args, **kwargs) -> list:
+        """Call every engine a weight sync reaches: those in service and restarted ones waiting for weights."""
+        targets = [i for i in range(len(self.clients)) if i not in self.down or i in self.awaiting_weights]
+        return list(await asyncio.gather(*[getattr(self.clients[i], method)(*args, **kwargs) for i in targets]))
+
+    async def abort_all(self, unreachable: Callable[[BaseException], bool]) -> None:
+        """/abort_request abort_all on every engine in service; an engine that died meanwhile (``unreachable``
+        errors) is left to the health checks, any other error is raised."""
+        results = await asyncio.gather(*[self.clients[i].abort(abort_all=True)
+                                         for i in range(len(self.clients)) if i not in self.down],
+                                       return_exceptions=True)
+        for error in results:
+            if isinstance(error, BaseException) and not unreachable(error):
+                raise error
+
+    async def leave_weight_group(self, group_name: str) -> None:
+        """The engines leave the broadcast group (before a new one forms; a restarted engine has none)."""
+        for client in self.clients:
+            try:
+                await client.destroy_weights_update_group(group_name)
+            except EngineError:
+                pass
+        self.group_stale = False
+
+    # ---- health and restarts -------------------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_check_interval_s)
+            await self.check()
+
+    async def check(self) -> list[int]:
+        """Check every engine in service once (process alive, GET /health); start the restart of each dead one and
+        return their indices. Concurrent callers share one check."""
+        if self._check_lock.locked():
+            async with self._check_lock:
+                return []
+        async with self._check_lock:
+            dead = []
+            for i, (actor, client) in enumerate(zip(self.engines, self.clients)):
+                if i in self.down:
+                    continue
+                if not await actor.alive.remote():
+                    cause = f"its process (pid {await actor.pid.remote()}) exited"
+                elif await client.health(timeout_s=HEALTH_TIMEOUT_S):
+                    self._unhealthy_checks[i] = 0
+                    continue
+                else:
+                    self._unhealthy_checks[i] = self._unhealthy_checks.get(i, 0) + 1
+                    if self._unhealthy_checks[i] < UNHEALTHY_CHECKS:
+                        continue
+                    cause = f"GET /health failed {UNHEALTHY_CHECKS} checks in a row"
+                await self._take_out(i, cause)
+                self._restarts[i] = asyncio.ensure_future(self._restart(i))
+                dead.append(i)
+            return dead
+
+    async def _take_out(self, i: int, cause: str) -> None:
+        """Mark engine i down and remove it from the router, so no new request reaches it."""
+        url = self.urls[i]
+        self.down[i] = cause
+        self._unhealthy_checks[i] = 0
+        self.restarts_total += 1
+        print(f"rollout: engine {i} ({url}) is down: {cause}; restarting it (log engine_{i}.log)", flush=True)
+        try:
+            await asyncio.to_thread(self.router.remove_worker, url)
+        except RouterError as error:  # the router may have dropped it already; the restart goes on either way
+            print(f"rollout: removing engine {i} from the router: {error}", flush=True)
+
+    async def _restart(self, i: int) -> None:
+        """Restart engine i on its port, give it the newest weights, put it back in the router."""
+        url, cause = self.urls[i], self.down[i]
+        try:
+            new_url = await self.engines[i].restart.remote()
+            if new_url != url:
+                raise RuntimeError(f"restarted at {new_url}, not on its old address {url}")
+            async with self.weights_lock:
+                if self.replay is not None and not await self.replay(i):
+                    self.awaiting_weights.add(i)
+                    self.down[i] = f"restarted after: {cause}; waits for the next weight sync"
+                    self.group_stale = True
+                    return
+                await self._register(i)
+            print(f"rollout: engine {i} ({url}) is back", flush=True)
+        except Exception as error:
+            self.down[i] = f"{cause}; the restart failed: {type(error).__name__}: {error}"
+            print(f"rollout: engine {i} ({url}) {self.down[i]}", flush=True)
+
+    async def _register(self, i: int) -> None:
+        """Add engine i back to the router and wait until the router lists it healthy."""
+        url = self.urls[i]
+        await asyncio.to_thread(self.router.add_worker, url)
+        await asyncio.to_thread(self.router.wait_worker_healthy, url, REGISTER_TIMEOUT_S)
+        self.down.pop(i, None)
+        self.awaiting_weights.discard(i)
+
+    async def register_awaiting(self) -> None:
+        """After a sync reached them: restarted engines that waited for weights go back into the router."""
+        for i in sorted(self.awaiting_weights):
+            await self._register(i)
+
+    async def await_an_engine(self, timeout_s: float = 300.0) -> None:
+        """When every engine is down, wait (up to ``timeout_s``) until a restart has brought one back."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while len(self.down) == len(self.engines) and loop.time() < deadline:
+            running = [t for t in self._restarts.values() if not t.done()]
+            if not running:
+                return
+            await asyncio.wait(running, timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+
+    async def settled(self, timeout_s: float = 300.0) -> None:
+        """Wait until no restart is in progress."""
+        running = [t for t in self._restarts.values() if not t.done()]
+        if running:
+            await asyncio.wait_for(asyncio.gather(*running), timeout_s)
+
+    def down_report(self) -> str:
+        """Which engines are out of service and why (for error messages)."""
+        if not self.down:
+            return "every engine passed its last health check"
+        return "; ".join(f"engine {i} ({self.urls[i]}): {cause}" for i, cause in sorted(self.down.items()))
+
+    async def status(self) -> list[dict]:
+        """Per engine: index, url, up (in service), cause (why it is down, else None), in_router and
+        router_healthy (as the router lists it)."""
+        workers = {w.get("url"): w for w in await asyncio.to_thread(self.router.workers)}
+        return [{"index": i, "url": url, "up": i not in self.down, "cause": self.down.get(i),
+                 "in_router": url in workers, "router_healthy": bool(workers.get(url, {}).get("is_healthy"))}
+                for i, url in enumerate(self.urls)]
+
+    async def shutdown(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+        for task in self._restarts.values():
+            task.cancel()
+        for client in self.clients:
+            await client.close()
+        await asyncio.gather(*[e.stop.remote() for e in self.engines])
+        self.router.stop()

@@ -1,0 +1,159 @@
+"""``WeightRelay``: the rollout side of a weight sync, from the trainer's calls to every engine, and the replay of
+the newest weights into a restarted engine.
+
+The trainer (train/weight_sync.py) drives a sync through the rollout manager, which forwards each call here:
+
+    begin()                                   hold generation in place (a rollout may be running in async mode)
+    from_disk | from_distributed | from_tensor | from_cuda_ipc     one bucket each (the last carries the version)
+    finish(version)                           flush caches, resume, make ``version`` current in the buffer
+
+A sync holds the pool's ``weights_lock`` from ``begin`` to ``finish`` (no replay into a restarted engine
+meanwhile) and releases it and the pause on every path (``finish``, or ``abort`` when the trainer's side failed).
+
+What is kept of the newest completed sync, so a restarted engine can be given it again (``replay``):
+
+- ``disk``: the trainer's export directory and version (``/update_weights_from_disk`` again);
+- ``tensor`` on CPU: the buckets pass through this process, so it keeps the newest tensor of every name (one copy
+  of the model in host memory) and sends them again;
+- no sync yet: nothing to do (the initial checkpoint is version 0);
+- ``distributed`` broadcast and CUDA IPC: the tensors never pass through here. The restarted engine stays out of
+  the router until the next sync reaches it (``EnginePool.register_awaiting``); the broadcast group that lost a
+  member is formed again by the trainer (``group_stale``).
+"""
+
+import asyncio
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from slime_hydra.rollout.engine_pool import EnginePool
+from slime_hydra.weight_transport import buckets
+
+WEIGHT_GROUP = "weight_update_group"
+"""The broadcast group's name on every engine."""
+REPLAY_BUCKET_BYTES = 256 * 2**20
+"""Largest request when replaying kept tensors into a restarted engine."""
+
+
+@dataclass
+class WeightSource:
+    """What the newest completed weight sync was, so that a restarted engine can be given it again."""
+
+    kind: str
+    """initial (no sync yet) | disk | tensor | broadcast (distributed or CUDA IPC: not replayable here)."""
+    version: int = 0
+    """The weight version the sync set."""
+    path: Optional[str] = None
+    """disk: the exported HF checkpoint directory."""
+
+
+class WeightRelay:
+    def __init__(self, pool: EnginePool, on_version: Callable[[int], int]):
+        """on_version(version) -> groups dropped: the buffer's reaction to a new policy version (staleness)."""
+        self.pool, self.on_version = pool, on_version
+        self.newest = WeightSource("initial")
+        self._incoming: Optional[WeightSource] = None
+        self._tensors: dict = {}
+        self._holds_lock = False
+        self._paused = False
+        pool.replay = self.replay
+
+    # ---- one sync ------------------------------------------------------------------------------------------------
+    async def begin(self) -> None:
+        """Hold generation in place (async mode: a rollout may be running) so updates apply at once."""
+        await self.pool.weights_lock.acquire()
+        self._holds_lock = True
+        await self.pool.on_engines("pause_generation", mode="in_place")
+        self._paused = True
+
+    async def from_disk(self, path: str, version: int) -> None:
+        await self.pool.on_weight_receivers("update_weights_from_disk", path, weight_version=str(version))
+        self._incoming = WeightSource("disk", version, str(path))
+
+    async def join_group(self, master_address: str, master_port: int, backend: str) -> None:
+        """Join every engine to the broadcast group whose rank 0 is the trainer (engine i is rank 1 + i)."""
+        world = 1 + len(self.pool.clients)
+        if self.pool.group_stale:  # an engine restarted: the survivors leave the old group first
+            await self.pool.leave_weight_group(WEIGHT_GROUP)
+        await asyncio.gather(*[
+            c.init_weights_update_group(master_address, master_port, 1 + i, world, WEIGHT_GROUP, backend=backend)
+            for i, c in enumerate(self.pool.clients)])
+
+    async def from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                               version: Optional[int]) -> None:
+        """Receive one broadcast bucket."""
+        self._incoming = WeightSource("broadcast")
+        await self.pool.on_weight_receivers("update_weights_from_distributed", names, dtypes, shapes, WEIGHT_GROUP,
+                                            weight_version=_version(version), flush_cache=False)
+
+    async def from_tensor(self, named: dict, version: Optional[int]) -> None:
+        """Load one bucket of tensors sent through Ray (kept for restarted engines)."""
+        self._tensors.update(named)
+        self._incoming = WeightSource("tensor")
+        await self.pool.on_weight_receivers("update_weights_from_tensor", named, weight_version=_version(version),
+                                            flush_cache=False)
+
+    async def from_cuda_ipc(self, handles: list[dict], version: Optional[int]) -> None:
+        """Colocated GPUs: every engine copies one bucket from the trainer's GPU memory (the handle of its GPU)."""
+        self._incoming = WeightSource("broadcast")
+        await self.pool.on_weight_receivers("update_weights_from_cuda_ipc", handles,
+                                            weight_version=_version(version), flush_cache=False)
+
+    async def finish(self, version: int) -> int:
+        """Flush the engines' caches, resume generation, make ``version`` current; returns the groups the buffer
+        dropped as stale. Restarted engines this sync reached go back into the router."""
+        try:
+            await self.pool.on_weight_receivers("flush_cache")
+            if self._paused:
+                await self.pool.on_engines("continue_generation")
+                self._paused = False
+            if self._incoming is not None:
+                self.newest = WeightSource(self._incoming.kind, version, self._incoming.path)
+                self._incoming = None
+                if self.newest.kind != "tensor":
+                    self._tensors = {}
+                await self.pool.register_awaiting()
+        finally:
+            self._release()
+        return self.on_version(version)
+
+    async def abort(self) -> None:
+        """The trainer's side of the sync failed: resume generation and release the lock (the engines may hold a
+        mix of old and new tensors; the next sync overwrites every one)."""
+        self._incoming = None
+        try:
+            if self._paused:
+                self._paused = False
+                await self.pool.on_engines("continue_generation")
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._holds_lock:
+            self._holds_lock = False
+            self.pool.weights_lock.release()
+
+    # ---- restarted engines ---------------------------------------------------------------------------------------
+    async def replay(self, i: int) -> bool:
+        """Give restarted engine i the newest synced weights; False when they cannot be replayed from here."""
+        source, client = self.newest, self.pool.clients[i]
+        version = str(source.version)
+        if source.kind == "disk":
+            await client.update_weights_from_disk(source.path, weight_version=version)
+        elif source.kind == "tensor":
+            chunks = list(buckets(iter(self._tensors.items()), REPLAY_BUCKET_BYTES))
+            for k, chunk in enumerate(chunks):
+                await client.update_weights_from_tensor(dict(chunk), weight_version=version if k == len(chunks) - 1
+                                                        else None, flush_cache=False)
+        elif source.kind == "broadcast":
+            return False
+        await client.flush_cache()
+        got = await client.get_weight_version()
+        if got != version:
+            raise RuntimeError(f"engine {i} reports weight version {got} after the replay of version {version}")
+        print(f"rollout: engine {i} got weight version {version} again ({source.kind})", flush=True)
+        return True
+
+
+def _version(version: Optional[int]) -> Optional[str]:
+    """Only a sync's last bucket carries the new version (an engine reports it once it has every tensor)."""
+    return None if version is None else str(version)

@@ -1,0 +1,46 @@
+"""The phases of one loop step and their times: ``perf/<phase>_time`` (seconds), written in one place.
+
+    timer = StepTimer()
+    with timer.phase("train"):
+        ...
+    metrics.update(timer.metrics())   # perf/<phase>_time for each phase entered, perf/step_time, perf/overhead_time
+
+A phase entered twice in a step adds up (colocated runs move memory before the rollout, the training and the
+sync: one ``offload`` time). ``perf/overhead_time`` is the step time outside every phase (Ray calls, batch
+assembly, tracking). The progress line and the report read ``PHASES``, so they show what the loop times.
+"""
+
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+PHASES = ("rollout", "offload", "logprobs", "train", "weight_sync", "eval", "checkpoint")
+"""What loop.py times, in the order a step runs them: the rollout (the loop's wait for a scored batch; in async
+mode only the part training did not hide), colocated memory moves, old/ref logprobs (+ values), the optimizer
+steps, the weight sync, eval, the checkpoint."""
+
+
+class StepTimer:
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as phase ``name`` (one of PHASES)."""
+        if name not in PHASES:
+            raise ValueError(f"phase {name!r} is not one of {PHASES}")
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.monotonic() - began
+
+    def metrics(self) -> dict[str, float]:
+        """perf/<phase>_time of every phase entered, perf/step_time (since the timer was made) and
+        perf/overhead_time (step time outside the phases)."""
+        step = time.monotonic() - self.start
+        out = {f"perf/{name}_time": seconds for name, seconds in self.times.items()}
+        out["perf/step_time"] = step
+        out["perf/overhead_time"] = step - sum(self.times.values())
+        return out
