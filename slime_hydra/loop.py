@@ -253,7 +253,8 @@ class Session:
                    if needs_old_logprobs(algo, self.d.optimizer_steps_per_rollout) else None)
             ref = self.trainer.logprobs(batch, "ref", temperature)[0] if algo.needs_reference else None
             values = self.critic.logprobs(batch)[0] if self.critic is not None else None
-            add_advantages(batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values)
+            add_advantages(batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values,
+                           max_response_tokens=cfg.rollout.max_response_tokens)
         with timer.phase("train"):
             actor_loss = ActorLoss(algo, cfg.rollout.max_response_tokens)
             sums: dict[str, float] = {}
@@ -271,6 +272,8 @@ class Session:
         metrics = {f"train/{k}": v for k, v in sums.items()}
         metrics["train/advantage_abs_mean"] = float(
             (batch.extras["advantages"].abs() * batch.loss_mask).sum() / batch.loss_mask.sum())
+        if "overlong_penalty" in batch.extras:
+            metrics["train/overlong_penalty"] = float(batch.extras["overlong_penalty"].mean())
         return metrics
 
     def evaluate(self) -> dict:

@@ -3,7 +3,7 @@
 kl.py          compute_kl (k1 | k2 | k3 | low_var_kl)
 advantages.py  compute_advantages (grpo | reinforce_pp | reinforce_pp_baseline | gae), grpo_advantages,
                group_normalized_rewards, reinforce_pp_advantages, reinforce_pp_baseline_advantages,
-               gae_advantages, shaped_token_rewards, discounted_returns, whiten
+               gae_advantages, shaped_token_rewards, discounted_returns, whiten, overlong_penalty (DAPO)
 losses.py      compute_policy_loss (ppo_clip | gspo | cispo, + KL loss, entropy, TIS), ppo_clip_loss, cispo_loss,
                truncated_is_weights, value_loss, entropy_loss, sft_loss, kl_loss, log_ratio, aggregate
 masked.py      masked_mean, masked_sum (reductions that ignore padded slots, never NaN)
@@ -20,7 +20,7 @@ _EXPORTS = {
     "kl": ("compute_kl",),
     "advantages": ("compute_advantages", "grpo_advantages", "group_normalized_rewards", "reinforce_pp_advantages",
                    "reinforce_pp_baseline_advantages", "gae_advantages", "shaped_token_rewards",
-                   "discounted_returns", "whiten"),
+                   "discounted_returns", "whiten", "overlong_penalty"),
     "losses": ("compute_policy_loss", "ppo_clip_loss", "cispo_loss", "truncated_is_weights", "value_loss",
                "entropy_loss", "sft_loss", "kl_loss", "log_ratio", "aggregate"),
     "masked": ("masked_mean", "masked_sum"),

@@ -14,7 +14,7 @@ Estimators (``compute_advantages(estimator, ...)``):
                            returns_t = A_t + V_t (the critic's targets)
 
 GSPO, CISPO, Dr.GRPO and DAPO all use the grpo estimator; they differ in the policy loss, the loss aggregation,
-and (Dr.GRPO) ``std_normalization=False``.
+(Dr.GRPO) ``std_normalization=False``, and (DAPO) ``overlong_penalty``, a length term added to the reward first.
 
 Masked positions inside a response (tool output in a multi-turn sample) are not steps of the policy: the
 right-to-left recursions (returns, GAE) skip them, as if those columns were removed, so gamma and lam discount
@@ -199,6 +199,24 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, loss_mask:
 
 
 @torch.no_grad()
+def overlong_penalty(response_lengths: torch.Tensor, *, max_response_tokens: int, buffer_tokens: int,
+                     penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): a reward term [B] <= 0 for responses that run into
+    the last ``buffer_tokens`` of the budget, added to the task reward before the advantages.
+    With L = response length, L_max = max_response_tokens, L_buf = buffer_tokens::
+
+        0                                            L <= L_max - L_buf
+        -penalty * (L - (L_max - L_buf)) / L_buf     L_max - L_buf < L <= L_max
+        -penalty                                     L > L_max
+
+    Departure: the paper's scale is 1; ``penalty`` (algo.overlong_penalty) scales it."""
+    if not 0 < buffer_tokens < max_response_tokens:
+        raise ValueError(f"buffer_tokens={buffer_tokens} must lie in (0, max_response_tokens={max_response_tokens})")
+    start = max_response_tokens - buffer_tokens
+    over = (response_lengths.to(torch.float64) - start).clamp(min=0) / buffer_tokens
+    return -penalty * over.clamp(max=1.0)
+
+
 def compute_advantages(estimator: str, *, rewards: torch.Tensor, loss_mask: torch.Tensor,
                        group_size: Optional[int] = None, std_normalization: bool = True, gamma: float = 1.0,
                        lam: float = 1.0, kl_coef: float = 0.0, kl: Optional[torch.Tensor] = None,

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from slime_hydra.algo import compute_advantages, compute_kl
+from slime_hydra.algo import compute_advantages, compute_kl, overlong_penalty
 from slime_hydra.algo.config import AlgoConfig
 from slime_hydra.buffer.sample import Sample
 from slime_hydra.train.batch import TrainBatch, collate
@@ -29,13 +29,23 @@ def to_train_batch(samples: Sequence[Sample], pad_id: int, reward_key: Optional[
 
 
 def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_logprobs: Optional[torch.Tensor],
-                   ref_logprobs: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None) -> None:
+                   ref_logprobs: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None,
+                   max_response_tokens: Optional[int] = None) -> None:
     """Store old_logprobs, ref_logprobs, advantages and returns (and values as old_values) in batch.extras.
 
     The KL of reward shaping (algo.kl_coef > 0) is k-estimator(old || ref) per token, computed here once.
     old_logprobs may be None when the loss takes them from its own forward (``needs_old_logprobs`` is False).
+    With algo.overlong_buffer_tokens > 0 (DAPO) the rewards get ``overlong_penalty`` of the response lengths
+    against ``max_response_tokens`` first (the penalty is kept as extras["overlong_penalty"]).
     """
     extras = batch.extras
+    if algo.overlong_buffer_tokens > 0:
+        if max_response_tokens is None:
+            raise ValueError("algo.overlong_buffer_tokens > 0 needs max_response_tokens (rollout.max_response_tokens)")
+        extras["overlong_penalty"] = overlong_penalty(
+            batch.response_lengths, max_response_tokens=max_response_tokens,
+            buffer_tokens=algo.overlong_buffer_tokens, penalty=algo.overlong_penalty).to(extras["rewards"].dtype)
+        extras["rewards"] = extras["rewards"] + extras["overlong_penalty"]
     if old_logprobs is not None:
         extras["old_logprobs"] = old_logprobs
     if ref_logprobs is not None:

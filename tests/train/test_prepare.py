@@ -52,3 +52,19 @@ def test_empty_response_is_refused():
     with pytest.raises(ValueError, match="empty response"):
         to_train_batch(bad, pad_id=0)
 
+
+def test_dapo_overlong_penalty_shapes_the_rewards():
+    """Budget 4, buffer 2: lengths 3 and 1 (group 0) get -0.5 and 0, lengths 2 and 1 (group 1) 0 and 0."""
+    from slime_hydra.algo import overlong_penalty
+
+    assert overlong_penalty(torch.tensor([1, 2, 3, 4, 5]), max_response_tokens=4, buffer_tokens=2,
+                            penalty=2.0).tolist() == [0.0, 0.0, -1.0, -2.0, -2.0]
+    batch = to_train_batch(_samples(), pad_id=0)
+    algo = AlgoConfig(overlong_buffer_tokens=2, overlong_penalty=1.0)
+    add_advantages(batch, algo, group_size=2, old_logprobs=None, max_response_tokens=4)
+    assert batch.extras["overlong_penalty"].tolist() == [-0.5, 0.0, 0.0, 0.0]
+    assert batch.extras["rewards"].tolist() == [0.5, 0.0, 1.0, 1.0]
+    a = 0.25 / ((0.125 ** 0.5) + 1e-6)  # group 0: rewards 0.5, 0 -> mean 0.25, sample std 0.3536
+    assert batch.extras["advantages"][:2, 0].tolist() == pytest.approx([a, -a], abs=1e-5)
+    with pytest.raises(ValueError, match="max_response_tokens"):
+        add_advantages(to_train_batch(_samples(), pad_id=0), algo, group_size=2, old_logprobs=None)
