@@ -1,7 +1,7 @@
 """PNG plots of a run: ``python -m slime_hydra.report RUN_DIR [--out DIR]``.
 
 Reads <run_dir>/metrics.jsonl and writes one PNG per panel that has data (reward, accuracy, KL, entropy, response
-length, phase times) to <run_dir>/plots/ (or --out), and prints their paths.
+length, phase times, the trainer-vs-engine logprob mismatch) to <run_dir>/plots/ (or --out), and prints their paths.
 """
 
 import argparse
@@ -21,6 +21,8 @@ PANELS = {
     "entropy": ("train/entropy_loss",),
     "response_length": ("rollout/response_len/mean",),
     "phase_times": ("perf/*_time",),
+    "mismatch": ("train/train_rollout_logprob_abs_diff", "train/train_rollout_logprob_abs_diff_max",
+                 "train/train_rollout_ratio_abs_dev"),
 }
 """Panel name -> metric names (``*`` matches one path segment)."""
 
@@ -50,6 +52,8 @@ def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
         ax.set_xlabel("rollout step")
         if panel == "phase_times":
             ax.set_ylabel("seconds")
+        if panel == "mismatch":
+            ax.set_yscale("symlog", linthresh=1e-6)
         ax.set_title(f"{Path(run_dir).name}: {panel.replace('_', ' ')}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

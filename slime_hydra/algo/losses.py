@@ -202,6 +202,24 @@ def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, los
     return weights, metrics
 
 
+def rollout_mismatch(logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask: torch.Tensor, *,
+                     loss_agg: str = "token_mean") -> Metrics:
+    """How far the trainer's logprobs of the sampled tokens are from the engine's that sampled them (both of the
+    temperature-scaled distribution), per trained token with d_t = logp_t - rollout_logp_t:
+
+        train_rollout_logprob_abs_diff      mean |d_t|               (over loss_agg's units, like every diagnostic)
+        train_rollout_logprob_abs_diff_max  max |d_t|                (a ``_max`` metric: reduced by max, not mean)
+        train_rollout_ratio_abs_dev         mean |exp(d_t) - 1|      (the spread of the importance ratio around 1)
+
+    0 when trainer and engine compute the same distribution (the CPU fp32 path agrees to ~1e-6); bf16 kernels,
+    stale weights or a different sampling distribution show here first. Diagnostics only (detached)."""
+    mask = as_bool_mask(loss_mask, logp)
+    diff = masked_fill_zero(logp.detach().float() - rollout_logp.float(), mask)
+    return {"train_rollout_logprob_abs_diff": _diagnostic(diff.abs(), mask, loss_agg),
+            "train_rollout_logprob_abs_diff_max": diff.abs().max() if diff.numel() else diff.sum(),
+            "train_rollout_ratio_abs_dev": _diagnostic((torch.exp(diff) - 1).abs(), mask, loss_agg)}
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor, *,
                value_clip: Optional[float] = 0.2, loss_agg: str = "token_mean",
                max_response_tokens: Optional[int] = None) -> tuple[torch.Tensor, Metrics]:

@@ -4,7 +4,8 @@ A backend calls ``loss_fn(logp_or_values, entropy, micro_batch) -> (mean loss ov
 metrics)``. These objects are small, picklable and built once per run from the algo config; they read the
 micro-batch's extras (response-aligned [B, T]):
 
-    ActorLoss:  advantages, old_logprobs; ref_logprobs when a KL term is on; rollout_logprobs when TIS is on.
+    ActorLoss:  advantages, old_logprobs; ref_logprobs when a KL term is on; rollout_logprobs when TIS is on, and
+                whenever the engine returned them, for the train-vs-rollout mismatch metrics (rollout_mismatch).
                 Without old_logprobs (one optimizer step per rollout: the policy that is trained is the one whose
                 logprobs would be recomputed) the forward's own detached logprobs are used, which equal them.
     CriticLoss: old_values, returns
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slime_hydra.algo import compute_policy_loss, value_loss
+from slime_hydra.algo import compute_policy_loss, rollout_mismatch, value_loss
 from slime_hydra.algo.config import AlgoConfig
 from slime_hydra.train.batch import TrainBatch
 
@@ -33,6 +34,8 @@ class ActorLoss:
             eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
             kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef,
             tis_cap=a.tis_cap, loss_agg=a.loss_agg, max_response_tokens=self.max_response_tokens)
+        if "rollout_logprobs" in extras:
+            metrics.update(rollout_mismatch(logp, extras["rollout_logprobs"], mb.loss_mask, loss_agg=a.loss_agg))
         return loss, metrics
 
 

@@ -308,3 +308,17 @@ def test_kl_loss_is_coef_times_aggregated_kl():
     loss, m = kl_loss(logp, ref, mask, kl_loss_type="k2", kl_loss_coef=0.1)
     assert_close((loss, m["kl_loss"]), (scalar(0.03125), scalar(0.3125)))
 
+
+def test_rollout_mismatch_against_hand_numbers():
+    from slime_hydra.algo import rollout_mismatch
+
+    logp = t([[-1.0, -2.0, -0.5], [-0.1, 0.0, 0.0]])
+    rollout = t([[-1.0, -2.5, -0.1], [-0.3, 5.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    m = rollout_mismatch(logp, rollout, mask)
+    diffs = [0.0, 0.5, -0.4, 0.2]  # the masked slot's 5.0 difference is ignored
+    assert float(m["train_rollout_logprob_abs_diff"]) == pytest.approx(sum(map(abs, diffs)) / 4)
+    assert float(m["train_rollout_logprob_abs_diff_max"]) == pytest.approx(0.5)
+    assert float(m["train_rollout_ratio_abs_dev"]) == pytest.approx(sum(abs(math.exp(d) - 1) for d in diffs) / 4)
+    same = rollout_mismatch(logp, logp, mask)
+    assert all(float(v) == 0 for v in same.values())

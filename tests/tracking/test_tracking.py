@@ -14,7 +14,8 @@ def _log_steps(tracker, steps):
     for k in steps:
         tracker.log(k, {"rollout/raw_reward": 0.1 * k, "eval/addition/accuracy": 0.05 * k, "train/ppo_kl": 0.0,
                         "train/entropy_loss": 1.0 - 0.1 * k, "rollout/response_len/mean": 3.0,
-                        "perf/rollout_time": 1.5, "perf/train_time": 2.0})
+                        "perf/rollout_time": 1.5, "perf/train_time": 2.0,
+                        "train/train_rollout_logprob_abs_diff": 1e-3 * k, "train/train_rollout_logprob_abs_diff_max": 0.1})
 
 
 def test_metrics_jsonl_and_resume_never_repeats_a_step(tmp_path):
@@ -71,7 +72,7 @@ def test_report_writes_one_png_per_panel(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     names = sorted(p.stem for p in (tmp_path / "plots").glob("*.png"))
-    assert names == ["accuracy", "entropy", "kl", "phase_times", "response_length", "reward"]
+    assert names == ["accuracy", "entropy", "kl", "mismatch", "phase_times", "response_length", "reward"]
     assert all(p.stat().st_size > 5000 for p in (tmp_path / "plots").glob("*.png"))
     assert str(tmp_path / "plots" / "reward.png") in out.stdout
 
@@ -80,3 +81,8 @@ def test_progress_summary_line():
     line = summary({"rollout/raw_reward": 0.5, "eval/addition/accuracy": 0.72, "perf/tokens_per_s": 1234.4,
                     "perf/rollout_time": 1.25, "perf/train_time": 2.0, "perf/weight_sync_time": 0.05})
     assert line == "reward 0.500 | addition 72.0% | 1234 tok/s | rollout 1.2s train 2.0s weight_sync 0.1s"
+    small = {"rollout/raw_reward": 0.5, "train/train_rollout_logprob_abs_diff": 2e-6}
+    assert summary(small) == "reward 0.500"  # the CPU path's agreement is not news
+    large = {"rollout/raw_reward": 0.5, "train/train_rollout_logprob_abs_diff": 0.0123,
+             "train/train_rollout_logprob_abs_diff_max": 0.41}
+    assert summary(large) == "reward 0.500 | mismatch 0.012 (max 0.41)"
