@@ -178,11 +178,11 @@ class PlainHF:
 
 
 def build(name: str, path: Path, train: TrainConfig, total: int):
-    if name == "megatron":
+    if name.startswith("megatron"):
         from slime_hydra.train.megatron.backend import MegatronBackend
 
         return MegatronBackend(path, train, total_steps=total)
-    if name == "fsdp":
+    if name.startswith("fsdp"):
         from slime_hydra.train.fsdp import FSDPBackend
 
         return FSDPBackend(path, train, total_steps=total)
@@ -192,7 +192,8 @@ def build(name: str, path: Path, train: TrainConfig, total: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", required=True,
-                        help="megatron, fsdp or hf, or several comma-separated (one process, taking turns)")
+                        help="megatron, fsdp or hf, or several comma-separated (one process, taking turns); "
+                             "megatron-fused / fsdp-fused: with train.compile_eager_numerics=false")
     parser.add_argument("--model", default="qwen2_5_0_5b", help="conf/model/<name>.yaml (shape only)")
     parser.add_argument("--checkpoint-dir", default=None, help="random checkpoint cache (default /tmp/bench_<model>)")
     parser.add_argument("--steps", type=int, default=10, help="measured optimizer steps (per backend)")
@@ -216,8 +217,10 @@ def main() -> None:
                              "time and the longest GPU-idle gaps with the host op running in each (rank 0)")
     args = parser.parse_args()
     names = args.backend.split(",")
-    if any(n not in ("megatron", "fsdp", "hf") for n in names) or len(set(names)) < len(names):
-        parser.error(f"--backend takes megatron, fsdp and hf, each at most once; got {args.backend!r}")
+    if any(n not in ("megatron", "fsdp", "hf", "megatron-fused", "fsdp-fused") for n in names) \
+            or len(set(names)) < len(names):
+        parser.error(f"--backend takes megatron, fsdp, hf, megatron-fused and fsdp-fused, each at most once; "
+                     f"got {args.backend!r}")
 
     rank, world = init_process_group()
     if "hf" in names and world > 1:
@@ -239,13 +242,14 @@ def main() -> None:
     total = args.warmup + args.steps
     backends, shares, layouts = {}, {}, {}
     for name in names:
-        tp = (args.tp or world) if name == "megatron" else 1
+        megatron = name.startswith("megatron")
+        tp = (args.tp or world) if megatron else 1
         dp = world // tp
-        train = TrainConfig(backend="megatron" if name == "megatron" else "fsdp", num_gpus=world, tp=tp,
+        train = TrainConfig(backend="megatron" if megatron else "fsdp", num_gpus=world, tp=tp,
                             micro_batch_samples=args.micro_batch or args.samples // dp, lr=1e-6,
                             dtype="bf16" if cuda else "fp32", gradient_checkpointing=args.gradient_checkpointing,
                             compile={"auto": None, "on": True, "off": False}[args.compile],
-                            cuda_graphs=args.cuda_graphs)
+                            cuda_graphs=args.cuda_graphs, compile_eager_numerics=not name.endswith("-fused"))
         backends[name] = build(name, path, train, total)
         dp_rank = getattr(backends[name], "dp_rank", rank)
         shares[name] = batch.select(list(range(dp_rank, args.samples, dp)))

@@ -31,9 +31,13 @@ LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.T
 """loss_fn(logp [B,T], entropy [B,T] or None, micro_batch) -> (mean loss over the micro-batch's units, metrics)."""
 
 
-def compile_mode(train: TrainConfig) -> str | None:
-    """torch.compile's mode for the decoder layers: "reduce-overhead" (CUDA graphs) with train.cuda_graphs."""
-    return "reduce-overhead" if train.cuda_graphs else None
+def compile_options(train: TrainConfig) -> dict:
+    """torch.compile's inductor options for the decoder layers: ``triton.cudagraphs`` with train.cuda_graphs (what
+    mode "reduce-overhead" sets), and ``emulate_precision_casts`` with train.compile_eager_numerics: inside a fused
+    chain of bf16 ops the compiled kernel rounds to bf16 after every op, as eager kernels do, instead of keeping
+    fp32 in registers. The engines run the model eagerly, so the trainer then computes the distribution they
+    sample from (docs/benchmarks.md, "train-vs-rollout mismatch")."""
+    return {"triton.cudagraphs": train.cuda_graphs, "emulate_precision_casts": train.compile_eager_numerics}
 
 
 class TrainBackend(ComputeCopyBackend):

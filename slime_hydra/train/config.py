@@ -70,6 +70,12 @@ class TrainConfig:
     """torch.compile each decoder layer's forward (train=fsdp: HF's decoder layers; train=megatron: each
     TransformerLayer) and the logprob head (fewer, fused kernels; the first steps pay the compile). null: on when
     training on CUDA, off on CPU (inductor's C++ compile is slow there)."""
+    compile_eager_numerics: bool = True
+    """With train.compile and bf16: the compiled layers round to bf16 after every op, as the engines' eager kernels
+    do (inductor's emulate_precision_casts), so the trainer's logprobs are those of the distribution the engines
+    sampled from. false lets inductor keep fp32 between fused ops: a little more precise and a different function
+    from the engines' (on one H100, the tiny default's train-vs-rollout logprob gap was 0.01 nats per token that
+    way, 2e-7 in eager bf16; docs/benchmarks.md)."""
     cuda_graphs: bool = False
     """With train.compile on CUDA: replay each compiled decoder layer (forward and backward) as a CUDA graph
     (torch.compile mode="reduce-overhead": one launch per layer instead of dozens; +12% on one H100 for a 0.5B

@@ -41,7 +41,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, response_logprobs, response_values)
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, compile_mode, rng_state, set_rng_state
+from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, compile_options, rng_state, set_rng_state
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.optim import build_optimizer
@@ -75,7 +75,7 @@ class FSDPBackend(TrainBackend):
         self._head = torch.compile(response_logprobs) if self.compiled else response_logprobs
         if self.compiled:  # the forward only: FSDP's hooks (dynamo-disabled) run eagerly around it
             for layer in model.model.layers:
-                layer.forward = torch.compile(layer.forward, fullgraph=True, mode=compile_mode(train))
+                layer.forward = torch.compile(layer.forward, fullgraph=True, options=compile_options(train))
         self.fsdp = self.world > 1 if fsdp is None else fsdp
         if self.world > 1 and not self.fsdp:
             raise ValueError(f"fsdp=False runs one rank only (no gradient averaging), got {self.world} ranks")

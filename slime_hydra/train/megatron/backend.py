@@ -72,7 +72,7 @@ from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, 
                                               transformer_engine_available)
 from slime_hydra.train.megatron.pipeline import Pipeline
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, compile_mode
+from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, compile_options
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.optim import build_optimizer
 
@@ -148,7 +148,7 @@ class MegatronBackend(TrainBackend):
                 if hasattr(dynamo.config, knob):
                     setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), limit))
             for layer in self.model.decoder.layers:
-                layer.forward = torch.compile(layer.forward, mode=compile_mode(train))
+                layer.forward = torch.compile(layer.forward, options=compile_options(train))
         self._lm_logprobs = (torch.compile(response_logprobs) if self.compiled else response_logprobs)
         self._keep_from = 0  # the LM head's first position (set per micro-batch; cp=1 only)
         if self.last_stage and self.head == "lm" and self.cp_size == 1 and not config.sequence_parallel:

@@ -1,0 +1,103 @@
+#!/usr/bin/env python
+"""Trainer-vs-engine logprob agreement on one GPU, trainer variants side by side: what the loop's
+``train/train_rollout_logprob_abs_diff`` measures, without the loop.
+
+    PYTHONPATH=. python3 scripts/probe_mismatch.py --model-path DIR [--prompts 64] [--samples 8] [--dtype bf16]
+
+Starts an embedded engine on the GPU (CUDA graphs on, the dtype weights are synced in), samples --samples responses
+to each of --prompts addition prompts at temperature 1 with their logprobs, then computes the same tokens'
+logprobs with train=fsdp's backend (one rank) in each variant, and prints per variant the mean and max
+|trainer - engine| over response tokens and the mean |exp(diff) - 1|, for the logprobs pass (eval mode, no grad:
+old / reference logprobs) and for the training forward (one train_step at lr 0: the loop's mismatch metric):
+
+    eager            train.compile=false
+    compiled         train.compile=true, train.compile_eager_numerics=false (inductor keeps fp32 between fused ops)
+    compiled_eager   train.compile=true, train.compile_eager_numerics=true (the default)
+"""
+
+import argparse
+import json
+import os
+import urllib.request
+
+import torch
+import torch.distributed as dist
+
+from slime_hydra.algo.config import AlgoConfig
+from slime_hydra.data.tasks import get_task
+from slime_hydra.model.hf import load_tokenizer
+from slime_hydra.model.warm_start import render_prompt
+from slime_hydra.rollout.engines import start_embedded_engine
+from slime_hydra.train.backend import init_distributed
+from slime_hydra.train.batch import collate
+from slime_hydra.train.config import TrainConfig
+from slime_hydra.train.objectives import ActorLoss
+
+VARIANTS = {"eager": dict(compile=False), "compiled": dict(compile=True, compile_eager_numerics=False),
+            "compiled_eager": dict(compile=True, compile_eager_numerics=True)}
+
+
+def sample(url: str, prompts: list[list[int]], n: int, max_new_tokens: int) -> list[tuple[list[int], list[int], list[float]]]:
+    """(prompt ids, response ids, engine logprobs) of n samples per prompt."""
+    body = {"input_ids": [p for p in prompts for _ in range(n)], "return_logprob": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new_tokens}}
+    req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        outs = json.loads(resp.read())
+    return [(p, o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+            for p, o in zip([p for p in prompts for _ in range(n)], outs)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(args.model_path)
+    rows = get_task("addition").rows("train", seed=0)[: args.prompts]
+    prompts = [tokenizer(render_prompt(tokenizer, r["prompt"], True), add_special_tokens=False)["input_ids"]
+               for r in rows]
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke test (fp32, compile is slow there)
+    engine = start_embedded_engine(args.model_path, device=device,
+                                   dtype="bfloat16" if args.dtype == "bf16" else "float32", max_batch_size=512)
+    try:
+        samples = sample(engine.url, prompts, args.samples, args.max_new_tokens)
+    finally:
+        engine.stop()
+    batch = collate([p + r for p, r, _ in samples], [len(r) for _, r, _ in samples],
+                    [[1] * len(r) for _, r, _ in samples], pad_id=tokenizer.pad_token_id or 0,
+                    extras={"rollout_logprobs": [lp for _, _, lp in samples],
+                            "advantages": [[0.0] * len(r) for _, r, _ in samples]})
+    os.environ.setdefault("MASTER_PORT", "29611")
+    init_distributed(0, 1)
+    from slime_hydra.train.fsdp import FSDPBackend
+
+    mask = batch.loss_mask.bool()
+    engine_lp = batch.extras["rollout_logprobs"]
+    print(f"{len(samples)} samples, {int(mask.sum())} response tokens, engine and trainer in {args.dtype}")
+    for name in args.variants.split(","):
+        overrides = VARIANTS[name]
+        torch._dynamo.reset()
+        backend = FSDPBackend(args.model_path, TrainConfig(dtype=args.dtype, micro_batch_samples=64, lr=1e-12,
+                                                           **overrides), total_steps=1)
+        logp, _ = backend.logprobs(batch)
+        diff = (logp - engine_lp)[mask]
+        train = backend.train_step(batch, ActorLoss(AlgoConfig(), args.max_new_tokens))
+        print(json.dumps({"variant": name, "abs_diff_mean": float(diff.abs().mean()),
+                          "abs_diff_max": float(diff.abs().max()),
+                          "ratio_abs_dev": float((diff.exp() - 1).abs().mean()),
+                          "train_abs_diff_mean": train["train_rollout_logprob_abs_diff"],
+                          "train_abs_diff_max": train["train_rollout_logprob_abs_diff_max"]}), flush=True)
+        del backend
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
