@@ -5,7 +5,7 @@ advantages.py  compute_advantages (grpo | reinforce_pp | reinforce_pp_baseline |
                group_normalized_rewards, reinforce_pp_advantages, reinforce_pp_baseline_advantages,
                gae_advantages, shaped_token_rewards, discounted_returns, whiten, overlong_penalty (DAPO)
 losses.py      compute_policy_loss (ppo_clip | gspo | cispo, + KL loss, entropy, TIS), ppo_clip_loss, cispo_loss,
-               truncated_is_weights, rollout_mismatch, value_loss, entropy_loss, sft_loss, kl_loss, log_ratio,
+               truncated_is_weights, masked_is_weights, rollout_mismatch, value_loss, entropy_loss, sft_loss, kl_loss, log_ratio,
                aggregate
 masked.py      masked_mean, masked_sum (reductions that ignore padded slots, never NaN)
 config.py      AlgoConfig, the algo group's schema, and the names each choice accepts (ADVANTAGE_ESTIMATORS,
@@ -23,7 +23,7 @@ _EXPORTS = {
                    "reinforce_pp_baseline_advantages", "gae_advantages", "shaped_token_rewards",
                    "discounted_returns", "whiten", "overlong_penalty"),
     "losses": ("compute_policy_loss", "ppo_clip_loss", "cispo_loss", "truncated_is_weights", "value_loss",
-               "entropy_loss", "sft_loss", "kl_loss", "log_ratio", "aggregate", "rollout_mismatch"),
+               "entropy_loss", "sft_loss", "kl_loss", "log_ratio", "aggregate", "rollout_mismatch", "masked_is_weights"),
     "masked": ("masked_mean", "masked_sum"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

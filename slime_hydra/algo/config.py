@@ -69,6 +69,10 @@ class AlgoConfig:
     """Weight of the critic's value loss (PPO only)."""
     tis_cap: Optional[float] = within(None, 1)
     """Truncated importance sampling between trainer-old and rollout logprobs: clamp of the weight (e.g. 2.0); null off."""
+    mis_cap: Optional[float] = within(None, 1, low_open=True)
+    """Masked importance sampling: tokens whose trainer-old / rollout probability ratio lies outside
+    [1 / mis_cap, mis_cap] leave the policy-gradient loss (e.g. 2.0); null off. For the train-vs-rollout mismatch
+    that remains (train/train_rollout_*), next to or instead of tis_cap."""
     dynamic_filter: Optional[str] = None
     """Group filter for dynamic sampling: nonzero_std (DAPO) or a dotted path to fn(group) -> bool | (bool, reason)."""
     overlong_buffer_tokens: int = non_negative(0)

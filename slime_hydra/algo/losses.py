@@ -16,6 +16,7 @@ see ``slime_hydra.train.batch.loss_units``).
 + kl_loss_coef * kl_loss - entropy_coef * entropy.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -202,6 +203,25 @@ def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, los
     return weights, metrics
 
 
+def masked_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask: torch.Tensor, *,
+                      mis_cap: float, loss_agg: str = "token_mean") -> tuple[torch.Tensor, Metrics]:
+    """Masked importance sampling (token-level MIS, as in verl's rollout correction): the tokens whose trainer/engine
+    ratio is implausible drop out of the policy-gradient loss, where TIS would only cap them.
+
+        w_t = 1 if 1 / mis_cap <= exp(old_logp_t - rollout_logp_t) <= mis_cap, else 0     (detached; 1 at masked slots)
+
+    The weights multiply the per-token policy-gradient loss only, so aggregation still counts the dropped tokens
+    (the loss is not renormalized). Metrics: mis_maskfrac (share of trained tokens dropped).
+    """
+    if mis_cap <= 1:
+        raise ValueError(f"mis_cap={mis_cap} must be > 1 (e.g. 2.0), or None to disable MIS")
+    mask = as_bool_mask(loss_mask, old_logp)
+    log_ratio = masked_fill_zero(old_logp - rollout_logp, mask).detach()
+    keep = log_ratio.abs() <= math.log(mis_cap)
+    weights = keep.to(old_logp.dtype)
+    return weights, {"mis_maskfrac": _diagnostic((~keep).to(old_logp.dtype), mask, loss_agg)}
+
+
 def rollout_mismatch(logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask: torch.Tensor, *,
                      loss_agg: str = "token_mean") -> Metrics:
     """How far the trainer's logprobs of the sampled tokens are from the engine's that sampled them (both of the
@@ -286,12 +306,14 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
                         entropy: Optional[torch.Tensor] = None, eps_clip: float = 0.2,
                         eps_clip_high: Optional[float] = None, eps_clip_c: Optional[float] = None,
                         kl_loss_coef: float = 0.0, kl_loss_type: str = "low_var_kl", kl_coef: float = 0.0,
-                        entropy_coef: float = 0.0, tis_cap: Optional[float] = None, loss_agg: str = "token_mean",
+                        entropy_coef: float = 0.0, tis_cap: Optional[float] = None, mis_cap: Optional[float] = None,
+                        loss_agg: str = "token_mean",
                         max_response_tokens: Optional[int] = None) -> tuple[torch.Tensor, Metrics]:
     """The actor's loss: pg + kl_loss_coef * KL(pi || ref) - entropy_coef * H, every term aggregated by loss_agg.
 
         pg = ppo_clip_loss (policy_loss="ppo_clip": token ratio; "gspo": sequence ratio) or cispo_loss ("cispo"),
-             each token's pg loss multiplied by truncated_is_weights(old_logp, rollout_logp) when tis_cap is set.
+             each token's pg loss multiplied by truncated_is_weights(old_logp, rollout_logp) when tis_cap is set
+             and by masked_is_weights when mis_cap is set (both: the product).
 
     ``kl_coef`` is accepted only to refuse it next to ``kl_loss_coef``: the KL is either shaped into the reward
     (kl_coef, in the advantages) or added to the loss (kl_loss_coef), never both. ``ref_logp`` is needed when
@@ -299,7 +321,7 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     ``entropy`` when entropy_coef != 0 (given with entropy_coef = 0, it is only reported).
 
     Metrics (slime's names): pg_loss, pg_clipfrac, ppo_kl; kl_loss when ref_logp is given; entropy_loss when
-    entropy is given; tis, tis_clipfrac when tis_cap is set.
+    entropy is given; tis, tis_clipfrac when tis_cap is set; mis_maskfrac when mis_cap is set.
     """
     if policy_loss not in POLICY_LOSSES:
         raise ValueError(f"policy_loss={policy_loss!r} is not one of {POLICY_LOSSES}")
@@ -308,8 +330,8 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
                          f"> 0: use one KL penalty, set the other to 0")
     if kl_loss_coef > 0 and ref_logp is None:
         raise ValueError(f"kl_loss_coef={kl_loss_coef} needs the reference policy's logprobs (ref_logp)")
-    if tis_cap is not None and rollout_logp is None:
-        raise ValueError(f"tis_cap={tis_cap} needs the rollout engine's logprobs (rollout_logp)")
+    if (tis_cap is not None or mis_cap is not None) and rollout_logp is None:
+        raise ValueError(f"tis_cap={tis_cap} / mis_cap={mis_cap} need the rollout engine's logprobs (rollout_logp)")
     if entropy_coef != 0 and entropy is None:
         raise ValueError(f"entropy_coef={entropy_coef} needs the per-token entropy")
 
@@ -319,6 +341,11 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
         tis_weights, tis_metrics = truncated_is_weights(old_logp, rollout_logp, loss_mask, tis_cap=tis_cap,
                                                         loss_agg=loss_agg)
         metrics.update(tis_metrics)
+    if mis_cap is not None:
+        mis_weights, mis_metrics = masked_is_weights(old_logp, rollout_logp, loss_mask, mis_cap=mis_cap,
+                                                     loss_agg=loss_agg)
+        metrics.update(mis_metrics)
+        tis_weights = mis_weights if tis_weights is None else tis_weights * mis_weights
     if policy_loss == "cispo":
         loss, pg_metrics = cispo_loss(logp, old_logp, advantages, loss_mask, eps_clip=eps_clip,
                                       eps_clip_high=eps_clip_high, loss_agg=loss_agg,

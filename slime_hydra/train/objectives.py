@@ -4,7 +4,7 @@ A backend calls ``loss_fn(logp_or_values, entropy, micro_batch) -> (mean loss ov
 metrics)``. These objects are small, picklable and built once per run from the algo config; they read the
 micro-batch's extras (response-aligned [B, T]):
 
-    ActorLoss:  advantages, old_logprobs; ref_logprobs when a KL term is on; rollout_logprobs when TIS is on, and
+    ActorLoss:  advantages, old_logprobs; ref_logprobs when a KL term is on; rollout_logprobs when TIS / MIS is on, and
                 whenever the engine returned them, for the train-vs-rollout mismatch metrics (rollout_mismatch).
                 Without old_logprobs (one optimizer step per rollout: the policy that is trained is the one whose
                 logprobs would be recomputed) the forward's own detached logprobs are used, which equal them.
@@ -33,7 +33,7 @@ class ActorLoss:
             ref_logp=extras.get("ref_logprobs"), rollout_logp=extras.get("rollout_logprobs"), entropy=entropy,
             eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
             kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef,
-            tis_cap=a.tis_cap, loss_agg=a.loss_agg, max_response_tokens=self.max_response_tokens)
+            tis_cap=a.tis_cap, mis_cap=a.mis_cap, loss_agg=a.loss_agg, max_response_tokens=self.max_response_tokens)
         if "rollout_logprobs" in extras:
             metrics.update(rollout_mismatch(logp, extras["rollout_logprobs"], mb.loss_mask, loss_agg=a.loss_agg))
         return loss, metrics

@@ -322,3 +322,19 @@ def test_rollout_mismatch_against_hand_numbers():
     assert float(m["train_rollout_ratio_abs_dev"]) == pytest.approx(sum(abs(math.exp(d) - 1) for d in diffs) / 4)
     same = rollout_mismatch(logp, logp, mask)
     assert all(float(v) == 0 for v in same.values())
+
+
+def test_masked_is_drops_implausible_tokens_from_the_pg_loss():
+    from slime_hydra.algo import compute_policy_loss, masked_is_weights
+
+    old = t([[0.0, 0.0, 0.0, 0.0]])
+    rollout = t([[0.0, -0.5, -1.0, 0.8]])  # ratios 1, e^0.5 = 1.65, e^1 = 2.72, e^-0.8 = 0.45
+    mask = torch.tensor([[1, 1, 1, 1]])
+    weights, m = masked_is_weights(old, rollout, mask, mis_cap=2.0)
+    assert weights.tolist() == [[1.0, 1.0, 0.0, 0.0]] and float(m["mis_maskfrac"]) == 0.5
+    # pg loss with A = 1 everywhere and logp = old (ratio 1): -1 per kept token, token mean over all 4 tokens
+    loss, metrics = compute_policy_loss(old.clone().requires_grad_(), old, torch.ones(1, 4, dtype=F64), mask,
+                                        rollout_logp=rollout, mis_cap=2.0)
+    assert float(loss) == pytest.approx(-0.5) and float(metrics["mis_maskfrac"]) == 0.5
+    with pytest.raises(ValueError, match="must be > 1"):
+        masked_is_weights(old, rollout, mask, mis_cap=1.0)
