@@ -43,7 +43,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from slime_hydra.buffer.buffer import RolloutBuffer
 from slime_hydra.buffer.filters import get_filter
@@ -58,9 +58,6 @@ from slime_hydra.rollout.engine_pool import EnginePool
 from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, sampling_params
 from slime_hydra.rollout.router import Router
 from slime_hydra.rollout.weight_relay import WeightRelay
-
-if TYPE_CHECKING:
-    from slime_hydra.config.schema import SlimeConfig
 
 RETRY_BACKOFF_S = 0.5
 """First pause before a /generate retry; doubled on each further retry (net.backoff_s)."""
@@ -81,7 +78,7 @@ class EvalSet:
 
 
 class RolloutManager:
-    def __init__(self, cfg: "SlimeConfig", model_path: str, run_dir: str, engines: list):
+    def __init__(self, cfg, model_path: str, run_dir: str, engines: list):
         """cfg: the whole config (the slices the module docstring names); engines: EngineActor handles (placed)."""
         self.cfg, self.rollout = cfg, cfg.rollout
         self.run_dir = Path(run_dir)

@@ -8,7 +8,6 @@ is not carried).
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,13 +15,10 @@ import torch.distributed as dist
 from slime_hydra.train.backend import rng_state, set_rng_state
 from slime_hydra.train.reference import host_copy, pinned
 
-if TYPE_CHECKING:
-    from slime_hydra.train.megatron.backend import MegatronBackend
 
-
-def save(backend: "MegatronBackend", ckpt_dir: str | Path) -> None:
-    """Resumable checkpoint: this (PP stage, TP rank) slot's parameters, optimizer and reference shards;
-    scheduler, step; every rank's RNG. Collective."""
+def save(backend, ckpt_dir: str | Path) -> None:
+    """Resumable checkpoint of ``backend`` (a MegatronBackend): this (PP stage, TP rank) slot's parameters, optimizer
+    and reference shards; scheduler, step; every rank's RNG. Collective."""
     from megatron.core import tensor_parallel
 
     ckpt_dir = Path(ckpt_dir)
@@ -42,7 +38,7 @@ def save(backend: "MegatronBackend", ckpt_dir: str | Path) -> None:
     dist.barrier()
 
 
-def load(backend: "MegatronBackend", ckpt_dir: str | Path) -> None:
+def load(backend, ckpt_dir: str | Path) -> None:
     """Resume from ``save``'s checkpoint: parameters, optimizer, reference shards, scheduler, step, RNG."""
     from megatron.core import tensor_parallel
 
@@ -66,5 +62,5 @@ def load(backend: "MegatronBackend", ckpt_dir: str | Path) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(local["tracker"])
 
 
-def _slot_file(backend: "MegatronBackend") -> str:
+def _slot_file(backend) -> str:
     return f"pp{backend.pp_rank}_tp{backend.tp_rank}.pt"
