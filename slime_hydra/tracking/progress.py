@@ -1,5 +1,6 @@
 """The terminal view of a run: a rich progress bar whose description carries the latest step's numbers."""
 
+import time
 from typing import Mapping
 
 from rich.console import Console
@@ -32,18 +33,29 @@ def summary(metrics: Mapping[str, float]) -> str:
 
 
 class ProgressView:
-    def __init__(self, total_steps: int, first_step: int = 0, enabled: bool = True):
-        self.enabled = enabled
+    """On a terminal, a live bar; elsewhere (SLURM, nohup, CI: stderr is not a terminal) one plain line per step,
+    ``step k/N elapsed | summary``, flushed, so a log shows progress while the run goes on."""
+
+    def __init__(self, total_steps: int, first_step: int = 0, enabled: bool = True, console: Console | None = None):
+        self.enabled, self.total = enabled, total_steps
+        self.console = console or Console(stderr=True)
+        self.live = enabled and self.console.is_terminal
         self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-                                  TextColumn("{task.description}"), console=Console(stderr=True), disable=not enabled)
+                                  TextColumn("{task.description}"), console=self.console, disable=not self.live)
         self._task = self._progress.add_task("", total=total_steps, completed=first_step)
+        self._start = time.monotonic()
 
     def __enter__(self) -> "ProgressView":
         self._progress.start()
         return self
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
-        self._progress.update(self._task, completed=step + 1, description=summary(metrics))
+        if self.live:
+            self._progress.update(self._task, completed=step + 1, description=summary(metrics))
+        elif self.enabled:
+            elapsed = int(time.monotonic() - self._start)
+            print(f"step {step + 1}/{self.total} {elapsed // 60}:{elapsed % 60:02d} | {summary(metrics)}",
+                  file=self.console.file, flush=True)
 
     def __exit__(self, *exc) -> None:
         self._progress.stop()

@@ -86,3 +86,19 @@ def test_progress_summary_line():
     large = {"rollout/raw_reward": 0.5, "train/train_rollout_logprob_abs_diff": 0.0123,
              "train/train_rollout_logprob_abs_diff_max": 0.41}
     assert summary(large) == "reward 0.500 | mismatch 0.012 (max 0.41)"
+
+
+def test_progress_without_a_terminal_prints_one_plain_line_per_step():
+    import io
+
+    from rich.console import Console
+
+    from slime_hydra.tracking.progress import ProgressView
+
+    out = io.StringIO()
+    with ProgressView(3, console=Console(file=out, force_terminal=False)) as view:
+        for step in range(3):
+            view.update(step, {"rollout/raw_reward": 0.25 * step, "perf/train_time": 1.0})
+    lines = out.getvalue().splitlines()
+    assert [line.split(" ")[1] for line in lines] == ["1/3", "2/3", "3/3"]
+    assert lines[-1].endswith("| reward 0.500 | train 1.0s")
