@@ -10,10 +10,47 @@ small function yielding ``Problem``s that name the key(s) and the override that 
 from typing import Callable, Iterator
 
 from slime_hydra.algo.config import GROUP_ESTIMATORS
+from slime_hydra.model.config import DENSE_FAMILIES
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.passthrough import check_passthrough
+from slime_hydra.config.plugins import check_plugins
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.options import ConfigError, Problem, counts_hold, domain_problems
+
+
+def check_layout(cfg: SlimeConfig) -> Iterator[Problem]:
+    """The training ranks split into whole model replicas (dp = num_gpus / (tp x pp x cp) >= 1): every other
+    cross-group rule divides by dp."""
+    t = cfg.train
+    if t.num_gpus % t.model_parallel_size:
+        yield Problem(("train.num_gpus", "train.tp", "train.pp", "train.cp"),
+                      f"train.num_gpus={t.num_gpus} is not divisible by tp({t.tp}) x pp({t.pp}) x cp({t.cp}) = "
+                      f"{t.model_parallel_size}",
+                      f"set train.num_gpus to a multiple of {t.model_parallel_size}")
+
+
+def check_backend(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    """What a trainer backend would refuse when it starts, refused here instead (no job dies after its allocation)."""
+    t, m = cfg.train, cfg.model
+    if t.backend == "megatron":
+        if m.family not in DENSE_FAMILIES:
+            yield Problem(("train.backend", "model.family"),
+                          f"train=megatron converts {', '.join(DENSE_FAMILIES)} checkpoints; {m.family} "
+                          "(mixture of experts) is not built for it yet",
+                          "use train=fsdp (transformers' modeling), or a dense model")
+        elif t.ep > 1:
+            yield Problem(("train.ep",), f"train=megatron has no expert parallelism yet (ep={t.ep})", "set train.ep=1")
+        if m.vocab_size % t.tp:
+            yield Problem(("train.tp", "model.vocab_size"),
+                          f"the vocabulary ({m.vocab_size} rows) is split over TP ranks: not divisible by "
+                          f"train.tp={t.tp}", f"choose train.tp among {_divisors(m.vocab_size)[:8]}")
+        if t.gradient_checkpointing and cfg.cluster.gpus_per_node == 0:
+            yield Problem(("train.gradient_checkpointing", "cluster.gpus_per_node"),
+                          "megatron's activation recompute saves CUDA RNG states, and this is a CPU-only cluster",
+                          "set train.gradient_checkpointing=false")
+    elif t.ep > 1:
+        yield Problem(("train.ep", "train.backend"), f"train=fsdp has no expert parallelism (ep={t.ep})",
+                      "set train.ep=1")
 
 
 def check_batch(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -47,11 +84,6 @@ def check_batch(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
 
 def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     t, m = cfg.train, cfg.model
-    if t.num_gpus % t.model_parallel_size:
-        yield Problem(("train.num_gpus", "train.tp", "train.pp", "train.cp"),
-                      f"train.num_gpus={t.num_gpus} is not divisible by tp({t.tp}) x pp({t.pp}) x cp({t.cp}) = "
-                      f"{t.model_parallel_size}",
-                      f"set train.num_gpus to a multiple of {t.model_parallel_size}")
     if t.backend == "fsdp" and t.model_parallel_size > 1:
         yield Problem(("train.backend", "train.tp", "train.pp", "train.cp"),
                       f"train=fsdp is data parallel only, but tp={t.tp} pp={t.pp} cp={t.cp}",
@@ -204,15 +236,18 @@ def _divisor_near(n: int, target: int) -> int:
 
 
 RULES: tuple[Callable[[SlimeConfig, Derived], Iterator[Problem]], ...] = (
-    check_batch, check_parallelism, check_rollout, check_placement, check_lengths, check_algo,
+    check_batch, check_parallelism, check_backend, check_rollout, check_placement, check_lengths, check_algo,
 )
 
 
 def collect_problems(cfg: SlimeConfig) -> tuple[list[Problem], Derived | None]:
     """Every problem of the config, and the derived values when the counts allow computing them."""
-    problems = [*domain_problems(cfg), *check_passthrough(cfg)]
+    problems = [*domain_problems(cfg), *check_passthrough(cfg), *check_plugins(cfg)]
     if not counts_hold(cfg):  # the cross-group rules divide by the counts
         return problems, None
+    layout = list(check_layout(cfg))
+    if layout:  # ... and by dp
+        return problems + layout, None
     derived = derive(cfg)
     for rule in RULES:
         problems.extend(rule(cfg, derived))

@@ -309,3 +309,70 @@ def _build(raw: Iterator[tuple[int, Any, Optional[tuple]]], tokenizer, source: s
         raise ValueError(f"no prompts left: {stats.summary()}"
                          + (f"; first problems: {stats.skipped_examples}" if stats.skipped_examples else ""))
     return PromptDataset(records, stats)
+
+
+@dataclass
+class ScanReport:
+    """What a pre-flight scan of a prompt file found (``scan_prompt_file``)."""
+
+    source: str
+    """The file."""
+    rows: int = 0
+    """Rows scanned."""
+    bad: list[str] = field(default_factory=list)
+    """The first malformed rows, as "path, line k: what is wrong"."""
+    num_bad: int = 0
+    """Malformed rows among those scanned."""
+    too_long: int = 0
+    """Well-formed prompts longer than max_prompt_tokens (None when not tokenized)."""
+    longest_prompt_tokens: int = 0
+    """The longest prompt scanned, in tokens (0 when not tokenized)."""
+    complete: bool = True
+    """False when the scan stopped at its row or time bound before the end of the file."""
+    seconds: float = 0.0
+    """How long the scan took."""
+
+
+def scan_prompt_file(path: str, cfg: DataConfig, tokenizer=None, *, max_rows: Optional[int] = None,
+                     max_seconds: Optional[float] = None, examples: int = 10) -> ScanReport:
+    """Read ``path`` as a run would (the same row rules as ``load_prompt_file``, every malformed row collected rather
+    than the first raised) and, with a tokenizer, count the prompts longer than cfg.max_prompt_tokens. Stops after
+    ``max_rows`` rows or ``max_seconds`` (``complete`` says whether it reached the end)."""
+    import time
+
+    start = time.monotonic()
+    suffix = Path(path).suffix.lower()
+    raw = _jsonl_rows(path, 0, None) if suffix == ".jsonl" else _parquet_rows(path, 0, None)
+    unit = "line" if suffix == ".jsonl" else "row"
+    report = ScanReport(source=str(path))
+    texts: list[str] = []
+
+    def encode() -> None:
+        if tokenizer is not None and texts:
+            for ids in tokenizer(texts, add_special_tokens=not cfg.apply_chat_template)["input_ids"]:
+                report.longest_prompt_tokens = max(report.longest_prompt_tokens, len(ids))
+                report.too_long += len(ids) > cfg.max_prompt_tokens
+        texts.clear()
+
+    for row, value, problem in raw:
+        if (max_rows is not None and report.rows >= max_rows) or (
+                max_seconds is not None and report.rows % 1000 == 0 and time.monotonic() - start > max_seconds):
+            report.complete = False
+            break
+        report.rows += 1
+        try:
+            if problem is not None:
+                raise _Bad(*problem)
+            prompt, _, _, tools = _parse(value, cfg.prompt_key, cfg.label_key, cfg.metadata_key, cfg.tools_key,
+                                         cfg.apply_chat_template)
+            if tokenizer is not None:
+                texts.append(_render(prompt, tools, tokenizer, cfg.apply_chat_template))
+                if len(texts) >= _ENCODE_CHUNK:
+                    encode()
+        except _Bad as bad:
+            report.num_bad += 1
+            if len(report.bad) < examples:
+                report.bad.append(BadLineError(str(path), row + 1, bad.reason, bad.detail, unit).where_what)
+    encode()
+    report.seconds = time.monotonic() - start
+    return report

@@ -10,7 +10,10 @@ from typing import Sequence
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from slime_hydra.config import ConfigError, check_overrides, collect_problems, to_config
+from slime_hydra import preempt
+from slime_hydra.config import ConfigError, check_overrides, collect_problems, compose, to_config
+from slime_hydra.config.hydra_errors import as_problems
+from slime_hydra.config.datasets import check_datasets
 from slime_hydra.config.files import check_files
 from slime_hydra.launch.plan import print_plan
 from slime_hydra.launch.run_dir import run_dir_for, write_provenance
@@ -23,11 +26,22 @@ def _fail(error: ConfigError) -> None:
 
 
 def precheck_argv(argv: Sequence[str]) -> None:
-    """Refuse unknown keys among command-line overrides with the nearest valid name (exit 2)."""
+    """Before Hydra runs: every override parses and names a key of the schema (with the nearest valid name), and a
+    single run's config composes; Hydra's own errors (a group option that does not exist, a value of the wrong
+    type, an unparseable override) are reported in slime_hydra's format too. Exit 2 on any problem."""
     from hydra._internal.utils import get_args_parser  # Hydra's own CLI parser, so flags parse exactly as hydra.main
 
     args, _ = get_args_parser().parse_known_args(list(argv))
-    problems = check_overrides(args.overrides)
+    try:
+        problems = check_overrides(args.overrides)
+        if not problems and not args.multirun and not args.help and not args.hydra_help:
+            to_config(compose(args.overrides))  # hydra.main composes it again: ~0.3 s
+    except ConfigError as error:
+        problems = error.problems
+    except Exception as error:
+        problems = as_problems(error, args.overrides)
+        if problems is None:
+            raise
     if problems:
         _fail(ConfigError(problems))
 
@@ -45,6 +59,8 @@ def launch(dict_cfg: DictConfig) -> None:
     except ConfigError as error:
         _fail(error)
     problems, derived = collect_problems(cfg)
+    data_notes: list[str] = []
+    problems += list(check_datasets(cfg, data_notes))  # files that are here are read, dry run or not
     file_problems = list(check_files(cfg))
     run_dir = point_run_dir() or run_dir_for(cfg)  # a sweep point runs in <sweep_dir>/<num>
     if cfg.dry_run:
@@ -59,6 +75,8 @@ def launch(dict_cfg: DictConfig) -> None:
         _fail(ConfigError(problems))
     assert derived is not None
     print_plan(cfg, derived, run_dir, console)
+    for note in data_notes:
+        console.print(f"  data: {note}", markup=False)
     if cfg.dry_run:
         console.print("dry run: config valid, nothing started.", markup=False)
         return
@@ -72,3 +90,5 @@ def launch(dict_cfg: DictConfig) -> None:
 
     outcome = run(cfg, run_dir)
     console.print(f"{outcome}: {run_dir}", markup=False)
+    if outcome == "preempted":
+        raise SystemExit(preempt.EXIT_CODE)

@@ -63,11 +63,21 @@ def check_point(overrides: list[str], dry_run: bool) -> tuple[list[str], Any, An
     from slime_hydra.config import collect_problems, to_config
     from slime_hydra.config.files import check_files
 
+    from slime_hydra.config.hydra_errors import as_problems
+
     try:
         cfg = to_config(compose(config_name="config", overrides=overrides))
     except ConfigError as error:
         return [str(p) for p in error.problems], None, None
+    except Exception as error:  # Hydra's / OmegaConf's own: a wrong type, an option the group lacks
+        problems = as_problems(error, overrides)
+        if problems is None:
+            raise
+        return [str(p) for p in problems], None, None
+    from slime_hydra.config.datasets import check_datasets
+
     problems, derived = collect_problems(cfg)
+    problems += list(check_datasets(cfg))
     if not dry_run:
         problems += list(check_files(cfg))
     return [str(p) for p in problems], cfg, derived

@@ -12,8 +12,10 @@ from typing import Iterator, Optional
 from slime_hydra.options import Problem, choice, non_negative, positive
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "deepseek_v3")
-"""model.family: the architectures the model options describe (the HF config classes of model/hf.py and the
-HF<->Megatron mappings of train/megatron/convert.py cover the dense ones)."""
+"""model.family: the architectures the model options describe."""
+DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
+"""The families train=megatron converts (train/megatron/model.FAMILIES) and model/hf.py builds random-init test
+models of; the MoE ones (qwen3_moe, deepseek_v3) train with train=fsdp only."""
 
 
 @dataclass

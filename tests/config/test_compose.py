@@ -3,9 +3,9 @@
 import pytest
 import yaml
 
-from slime_hydra.config import PROJECT_ROOT
+from slime_hydra.config import PROJECT_ROOT, compose, to_config
 from slime_hydra.config.store import GROUP_SCHEMAS
-from tests.config.helpers import load
+from tests.config.helpers import load, problems
 
 CONF = PROJECT_ROOT / "conf"
 
@@ -18,7 +18,7 @@ NEEDS = {
     ("data", "*"): REAL_MODEL,
     ("data", "jsonl"): ("data.path=/data/train.jsonl",),
     ("reward", "remote"): ("reward.url=http://127.0.0.1:8000/score",),
-    ("reward", "custom"): ("reward.target=my_pkg.rewards.score",),
+    ("reward", "custom"): ("reward.target=slime_hydra.reward.exact_match.exact_match_reward",),
     ("rollout", "sglang"): ("cluster.gpus_per_node=8", "rollout.num_gpus=1"),
     ("debug", "train_only"): ("debug.rollout_path=/runs/x/rollouts",),
 }
@@ -53,18 +53,27 @@ def test_option_composes_and_validates(group, option):
 RECIPES = sorted(p.stem for p in (PROJECT_ROOT / "recipes").glob("*.yaml"))
 
 
+MOE_RECIPES = {"qwen3_30b_a3b_gspo_2x8xh100", "deepseek_v3_grpo_32x8xh100"}
+"""Refused at validation until train=megatron builds MoE (their headers say so): no job may die after allocation."""
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_composes_validates_and_documents_itself(recipe):
     text = (PROJECT_ROOT / "recipes" / f"{recipe}.yaml").read_text()
     assert text.startswith("# @package _global_\n")
     assert f"python launch.py recipes={recipe}" in text, "the header gives the exact command"
     assert "# Hardware:" in text and "# Expect:" in text, "the header gives the hardware and the result to expect"
+    if recipe in MOE_RECIPES:
+        error = problems(f"recipes={recipe}")
+        assert any("train.backend" in p.keys and "not built" in p.message for p in error.problems), error
+        assert "refused at validation" in text
+        return
     cfg, derived = load(f"recipes={recipe}")
     assert derived.global_batch_samples * derived.optimizer_steps_per_rollout == derived.samples_per_rollout
 
 
 def test_recipe_families_cover_every_model_family():
-    families = {load(f"recipes={r}")[0].model.family for r in RECIPES}
+    families = {to_config(compose([f"recipes={r}"])).model.family for r in RECIPES}
     assert {"qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "deepseek_v3"} <= families
 
 

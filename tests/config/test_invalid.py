@@ -118,6 +118,35 @@ INVALID = [
     (("train=megatron", "+train.megatron.micro_batch_size=2"), "train.megatron.micro_batch_size",
      "train.micro_batch_samples"),
     (("+train.megatron.recompute_granularity=full",), "train.megatron", "use train=megatron"),
+    # plug-ins: imported and their signatures checked at validation
+    (("reward=custom", "reward.target=no_such_module.score"), "reward.target", "cannot be imported"),
+    (("reward=custom", "reward.target=slime_hydra.reward.exact_match.nothing"), "reward.target", "cannot be imported"),
+    (("reward=custom", "reward.target=slime_hydra.reward.registry.NAMES"), "reward.target", "not a callable"),
+    (("reward=custom", "reward.target=slime_hydra.reward.registry.scalar_reward"), "reward.target",
+     "cannot take 3 positional arguments"),
+    (("rollout.generate=os.path.nothing",), "rollout.generate", "cannot be imported"),
+    (("rollout.generate=slime_hydra.rollout.generate.apply_output",), "rollout.generate", "is not async"),
+    (("algo.dynamic_filter=slime_hydra.buffer.filters.filter_name", "rollout.n_samples_per_prompt=8",
+      "algo.dynamic_filter=os.getcwd"), "algo.dynamic_filter", "cannot take 1 positional argument"),
+    (("cluster=slurm", "cluster.job_body=slime_hydra.nothing.run"), "cluster.job_body", "cannot be imported"),
+    # what a backend would refuse at start-up
+    (("model=qwen3_30b_a3b", "model.path=/ckpt", "train=megatron"), "train.backend", "not built"),
+    (("model=deepseek_v3", "model.path=/ckpt", "train=megatron"), "model.family", "not built"),
+    (("model=qwen3_30b_a3b", "model.path=/ckpt", "train.ep=2", "train.num_gpus=2", "train.micro_batch_samples=1"),
+     "train.ep", "train=fsdp has no expert parallelism"),
+    (("train=megatron", "train.gradient_checkpointing=true"), "train.gradient_checkpointing", "CUDA RNG"),
+    (("train=megatron", "train.num_gpus=3", "train.tp=3", "model.num_attention_heads=6", "model.num_kv_heads=3",
+      "train.micro_batch_samples=1", "train.global_batch_samples=3", "rollout.batch_prompts=3",
+      "rollout.n_samples_per_prompt=2", "train.optimizer_steps_per_rollout=2"), "model.vocab_size", "divisible"),
+    (("train=megatron", "train.tp=2"), "train.num_gpus", "multiple of 2"),  # was a ZeroDivisionError
+    # ranges on the field
+    (("rollout.temperature=-0.5",), "rollout.temperature", ">= 0"),
+    (("rollout.top_p=0",), "rollout.top_p", "in (0, 1]"),
+    (("rollout.top_k=0",), "rollout.top_k", "-1 (off) or a value >= 1"),
+    (("train.adam_beta2=1.0",), "train.adam_beta2", "in [0, 1)"),
+    (("data.eval.0.temperature=-1",), "data.eval.0.temperature", ">= 0"),
+    (("reward.timeout_s=0",), "reward.timeout_s", "positive"),
+    (("algo.mis_cap=1.0",), "algo.mis_cap", "> 1"),
 ]
 
 

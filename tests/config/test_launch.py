@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from slime_hydra.config import PROJECT_ROOT
@@ -104,3 +105,21 @@ def test_missing_files_warn_in_dry_runs_and_refuse_real_runs(tmp_path):
     assert dry.returncode == 0 and "warning: [data.path]" in dry.stderr
     real = launch(*args)
     assert real.returncode == 2 and "nope.jsonl does not exist" in real.stderr
+
+
+@pytest.mark.parametrize("args,key", [
+    (("model=qwen3_9b",), "[model] 'qwen3_9b' is not an option of group model"),
+    (("algo=grpp",), "did you mean algo=grpo?"),
+    (("rollout.batch_prompts=abc",), "[rollout.batch_prompts] Value 'abc'"),
+    (("train.lr=1e-3e",), "set train.lr to a number"),
+    (("cluster.colocate=maybe",), "set cluster.colocate=true or cluster.colocate=false"),
+    (("model.num_layers=null",), "[model.num_layers]"),
+    (("run_name=a;b",), "[run_name] cannot parse the override"),
+    (("rollout.generate",), "[rollout.generate] the override 'rollout.generate' has no value"),
+    (("train=megatron", "train.tp=2"), "[train.num_gpus, train.tp, train.pp, train.cp]"),
+])
+def test_hydra_and_omegaconf_errors_exit_2_in_our_format(args, key):
+    out = launch(*args, "dry_run=true")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("slime_hydra: 1 config problem:") and key in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "HYDRA_FULL_ERROR" not in out.stderr

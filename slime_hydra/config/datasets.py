@@ -1,0 +1,85 @@
+"""Dataset files scanned before anything starts (dry runs included): every malformed row at once, and how many
+prompts are too long.
+
+For the training file and every eval file that exists here (``config/files.py`` reports missing ones), the rows
+are read exactly as the run will read them (``data/dataset.scan_prompt_file``). With ``data.on_bad_line=error``
+(the default) malformed rows are a Problem listing them as ``path, line k: what is wrong`` (the first 10 and the
+count); with ``skip`` they are a note (the run skips and counts them). Prompts longer than
+``data.max_prompt_tokens`` are counted with the model's tokenizer (the tiny model's is built offline; a
+``model.path`` that is not here skips the count) and noted: the run drops them. A scan reads at most ``MAX_ROWS``
+rows or ``MAX_SECONDS``, and its note says what it covered.
+"""
+
+from pathlib import Path
+from typing import Iterator, Optional
+
+from slime_hydra.config.schema import SlimeConfig
+from slime_hydra.options import Problem
+
+MAX_ROWS = 200_000
+"""Rows a scan reads at most."""
+MAX_SECONDS = 20.0
+"""Seconds a scan takes at most (checked every 1,000 rows)."""
+
+
+def dataset_files(cfg: SlimeConfig) -> list[tuple[str, str]]:
+    """(config key, path) of every dataset file the run reads."""
+    files = [("data.path", cfg.data.path)] + [(f"data.eval.{i}.path", e.path) for i, e in enumerate(cfg.data.eval)]
+    return [(key, path) for key, path in files if path is not None]
+
+
+def _tokenizer(cfg: SlimeConfig):
+    """The tokenizer the run will use, when it can be had here; None otherwise."""
+    if cfg.model.path is None:
+        from slime_hydra.model.tiny import build_tiny_tokenizer
+
+        return build_tiny_tokenizer()
+    if (Path(cfg.model.path) / "tokenizer_config.json").exists() or (Path(cfg.model.path) / "tokenizer.json").exists():
+        from slime_hydra.model.hf import load_tokenizer
+
+        return load_tokenizer(cfg.model.path)
+    return None
+
+
+def check_datasets(cfg: SlimeConfig, notes: Optional[list[str]] = None) -> Iterator[Problem]:
+    """Problems of the dataset files that exist here; what the run will skip or drop goes to ``notes``."""
+    from slime_hydra.data.dataset import scan_prompt_file
+
+    present = [(key, path) for key, path in dataset_files(cfg) if Path(path).is_file()]
+    if not present:
+        return
+    tokenizer = _tokenizer(cfg)
+    for key, path in present:
+        try:
+            report = scan_prompt_file(path, cfg.data, tokenizer, max_rows=MAX_ROWS, max_seconds=MAX_SECONDS)
+        except (OSError, ValueError) as error:
+            yield Problem((key,), f"{path} cannot be read: {type(error).__name__}: {error}",
+                          f"point {key} at a readable .jsonl or .parquet file")
+            continue
+        covered = (f"all {report.rows} rows" if report.complete
+                   else f"the first {report.rows} rows (a bounded scan: {report.seconds:.0f} s)")
+        speed = f"{report.rows / max(report.seconds, 1e-9):,.0f} rows/s"
+        if report.num_bad and cfg.data.on_bad_line == "error":
+            listed = "\n      ".join(report.bad)
+            yield Problem((key, "data.on_bad_line"),
+                          f"{path}: {report.num_bad} malformed row(s) in {covered}:\n      {listed}"
+                          + ("\n      ..." if report.num_bad > len(report.bad) else ""),
+                          "fix them, or set data.on_bad_line=skip (the run skips and counts them)")
+        elif report.num_bad and notes is not None:
+            notes.append(f"{key}: {report.num_bad} malformed row(s) in {covered} will be skipped "
+                         f"(data.on_bad_line=skip), e.g. {report.bad[0]}")
+        if tokenizer is not None and notes is not None:
+            note = (f"{key}: {path}: scanned {covered} ({speed}); longest prompt {report.longest_prompt_tokens} "
+                    f"tokens")
+            if report.too_long:
+                note += (f"; {report.too_long} prompt(s) longer than data.max_prompt_tokens="
+                         f"{cfg.data.max_prompt_tokens} will be dropped (raise it to keep them)")
+            notes.append(note)
+        elif notes is not None:
+            notes.append(f"{key}: {path}: scanned {covered} ({speed}); prompt lengths not counted (the tokenizer "
+                         f"at model.path is not here)")
+        if tokenizer is not None and report.rows and report.too_long == report.rows - report.num_bad:
+            yield Problem((key, "data.max_prompt_tokens"),
+                          f"every prompt of {path} in {covered} is longer than data.max_prompt_tokens="
+                          f"{cfg.data.max_prompt_tokens} (longest {report.longest_prompt_tokens}): none would be left",
+                          f"raise data.max_prompt_tokens to at least {report.longest_prompt_tokens}")
