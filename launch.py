@@ -6,6 +6,7 @@
     python launch.py recipes=qwen3_4b_grpo_8xh100      a shared experiment (recipes/)
     python launch.py -m sweeps=kl_x_lr                 a sweep (sweeps/)
     python launch.py --cfg job                         print the composed config and exit
+    python launch.py --help                            groups, options, the most used keys, exit codes, docs
 """
 
 import os
@@ -17,7 +18,7 @@ os.environ.setdefault("SLIME_HYDRA_ROOT", ROOT)  # conf/config.yaml adds it to t
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from slime_hydra.config import register_configs  # noqa: E402
+from slime_hydra.config import PROJECT_ROOT, register_configs  # noqa: E402
 from slime_hydra.launch import launch, precheck_argv  # noqa: E402
 
 register_configs()
@@ -29,5 +30,10 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        from slime_hydra.launch.help import render_help
+
+        print(render_help(PROJECT_ROOT))
+        raise SystemExit(0)
     precheck_argv(sys.argv[1:])
     main()

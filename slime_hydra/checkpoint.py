@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 LATEST = "latest"
+RUN_RECORD = "run.json"
+"""<run_dir>/run.json: the driver's host, pid and start time, then how the run ended (loop.run writes it)."""
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:

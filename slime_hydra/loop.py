@@ -44,6 +44,8 @@ no engine.
 
 import json
 import os
+import socket
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -52,7 +54,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from slime_hydra import preempt
 from slime_hydra.buffer.sample import Sample
-from slime_hydra.checkpoint import checkpoint_dir, find_resume, mark_latest, write_json
+from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, find_resume, mark_latest, write_json
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.model.hf import load_tokenizer
@@ -65,18 +67,34 @@ from slime_hydra.train.prepare import add_advantages, needs_old_logprobs, to_tra
 
 
 def run(cfg: SlimeConfig, run_dir: Path) -> str:
-    """Train with RL as configured; returns "done" or "preempted" (a checkpoint was written on a signal)."""
+    """Train with RL as configured; returns "done" or "preempted" (a checkpoint was written on a signal).
+
+    ``<run_dir>/run.json`` says how the run stands for ``python -m slime_hydra.status``: the driver's host and pid
+    while it runs, then how it ended (outcome done | preempted | failed, with the error)."""
     run_dir = Path(run_dir)
-    model_path = resolve_model_path(cfg.model, cfg.data, cfg.seed)
-    started_ray = _init_ray(cfg)
-    preempt.install()  # after ray.init, which installs its own SIGTERM handler in the driver
-    session = Session(cfg, derive(cfg), run_dir, model_path)
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "outcome": "running"}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / RUN_RECORD, record)
+    outcome, error = "failed", None
     try:
-        return session.train()
+        model_path = resolve_model_path(cfg.model, cfg.data, cfg.seed)
+        started_ray = _init_ray(cfg)
+        try:
+            preempt.install()  # after ray.init, which installs its own SIGTERM handler in the driver
+            session = Session(cfg, derive(cfg), run_dir, model_path)
+            try:
+                outcome = session.train()
+                return outcome
+            finally:
+                session.close()
+        finally:
+            if started_ray:  # also when the session failed to start: its actors go with the local cluster
+                ray.shutdown()
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+        raise
     finally:
-        session.close()
-        if started_ray:
-            ray.shutdown()
+        write_json(run_dir / RUN_RECORD, {**record, "outcome": outcome, "error": error, "ended": time.time()})
 
 
 class Session:

@@ -22,9 +22,12 @@ that relate several groups live in ``config/rules.py``.
 Nothing here imports the rest of slime_hydra: every layer may use it (docs/architecture.md).
 """
 
+import ast
 import dataclasses
 import difflib
+import inspect
 import json
+import textwrap
 import typing
 from dataclasses import dataclass
 from functools import lru_cache
@@ -145,6 +148,20 @@ def positive(default: Any) -> Any:
 def non_negative(default: Any) -> Any:
     """A number >= 0 (0 usually means "off"; the field's docstring says)."""
     return within(default, 0)
+
+
+def field_doc(schema: type, dotted: str) -> str:
+    """The docstring written under field ``dotted`` (``train.lr``: through the nested schemas) of a schema."""
+    *path, name = dotted.split(".")
+    for part in path:
+        schema = typing.get_type_hints(schema)[part]
+    tree = ast.parse(textwrap.dedent(inspect.getsource(schema)))
+    body = tree.body[0].body
+    for stmt, after in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == name
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
+            return " ".join(str(after.value.value).split())
+    raise KeyError(f"{schema.__name__}.{name} has no docstring")
 
 
 def domain_of(schema: type, name: str) -> Optional[Any]:

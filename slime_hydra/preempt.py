@@ -18,6 +18,9 @@ from typing import Callable, Optional, Union
 
 SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 """The signals that ask the run to checkpoint and stop."""
+EXIT_CODE = 75
+"""What ``python launch.py`` exits with after a preemption: a checkpoint was written, re-running the same command
+resumes (EX_TEMPFAIL of sysexits.h: "try again later"). 0 is a finished run, 2 a config error, 1 a failure."""
 
 _Handler = Union[Callable[[int, Optional[types.FrameType]], object], int, None]
 _received: Optional[int] = None

@@ -1,15 +1,20 @@
-"""Where SLURM runs stand: ``python -m slime_hydra.status RUN_OR_SWEEP_DIR``.
+"""Where runs stand: ``python -m slime_hydra.status RUN_OR_SWEEP_OR_OUTPUT_DIR``.
 
-One row per run (a run dir holds the job.json that launch/submit.py wrote; a sweep dir holds sweep.json and one
-run dir per point): job id, state, last step and last reward (the last ``step`` and ``rollout/raw_reward`` in
-``metrics.jsonl``), the log paths. The state comes from ``sacct``, else ``squeue -t all``, else
+One row per run: a run dir (``job.json`` for a SLURM job that launch/submit.py wrote, ``run.json`` for a run the
+loop drove here), a sweep dir (sweep.json and one run dir per point), or a directory of run dirs (output_dir).
+Columns: job id, state, last step and last reward (the last ``step`` and ``rollout/raw_reward`` in
+``metrics.jsonl``), the newest checkpoint, the log paths. A local run's state is its ``run.json``: RUNNING while
+its driver's pid lives (on this host), DONE, PREEMPTED (a checkpoint was written: run the command again),
+FAILED (with the error), or DIED when the driver is gone without a word (killed: resume from the checkpoint). The state comes from ``sacct``, else ``squeue -t all``, else
 ``scontrol show job``, each bounded by a timeout: a dead controller gives UNKNOWN, never a hang. A failed job
 shows why: the last line of the exception submitit recorded for rank 0, else SLURM's reason and exit code.
 """
 
 import argparse
 import json
+import os
 import pickle
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -18,6 +23,8 @@ from typing import Iterable, Optional
 
 from rich.console import Console
 from rich.table import Table
+
+from slime_hydra.checkpoint import LATEST, RUN_RECORD
 
 QUERY_TIMEOUT_S = 10
 """Seconds one sacct/squeue/scontrol call may take."""
@@ -37,6 +44,8 @@ class RunStatus:
     """The last step in metrics.jsonl; None before the first."""
     last_reward: Optional[float]
     """The last rollout/raw_reward in metrics.jsonl; None before the first."""
+    checkpoint: str
+    """The newest complete checkpoint (checkpoints/latest), "" when none."""
     logs: list[str]
     """rank 0's stdout and stderr."""
 
@@ -112,14 +121,52 @@ def _error_line(job: dict) -> str:
     return lines[-1].strip() if lines else ""
 
 
+MARKERS = ("job.json", RUN_RECORD)
+"""Files that make a directory a run dir: a SLURM job's, a local run's."""
+
+
 def run_dirs(path: Path) -> list[Path]:
-    """The run dirs under path: itself (job.json), a sweep manifest's points, or subdirs holding job.json."""
-    if (path / "job.json").exists():
+    """The run dirs under path: itself, a sweep manifest's points, or subdirs holding a marker."""
+    if any((path / m).exists() for m in MARKERS):
         return [path]
     manifest = path / "sweep.json"
     if manifest.exists():
         return [Path(p["run_dir"]) for p in json.loads(manifest.read_text())["points"]]
-    return sorted((p.parent for p in path.glob("*/job.json")), key=lambda p: (len(p.name), p.name))
+    found = {p.parent for m in MARKERS for p in path.glob(f"*/{m}")}
+    return sorted(found, key=lambda p: (len(p.name), p.name))
+
+
+def local_state(run_dir: Path) -> tuple[str, str]:
+    """(state, reason) of a run the loop drove on this machine, from its run.json (module docstring)."""
+    try:
+        record = json.loads((run_dir / RUN_RECORD).read_text())
+    except (OSError, json.JSONDecodeError):
+        return "UNKNOWN", f"{RUN_RECORD} unreadable"
+    outcome = record.get("outcome")
+    if outcome == "running":
+        if record.get("host") != socket.gethostname():
+            return "UNKNOWN", f"driver pid {record.get('pid')} on {record.get('host')}"
+        if _alive(int(record.get("pid", -1))):
+            return "RUNNING", ""
+        return "DIED", "the driver is gone without recording an outcome; run the same command to resume"
+    if outcome == "preempted":
+        return "PREEMPTED", "a checkpoint was written; run the same command to resume"
+    return str(outcome).upper(), record.get("error") or ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return pid > 0
+
+
+def newest_checkpoint(run_dir: Path) -> str:
+    pointer = run_dir / "checkpoints" / LATEST
+    return pointer.read_text().strip() if pointer.exists() else ""
 
 
 def collect(path: Path) -> list[RunStatus]:
@@ -133,7 +180,9 @@ def collect(path: Path) -> list[RunStatus]:
         slurm = states.get(job_id, {})
         state = slurm.get("State", "UNKNOWN" if job_id else "NOT SUBMITTED")
         reason = ""
-        if state not in ("COMPLETED", "RUNNING", "UNKNOWN", "NOT SUBMITTED"):
+        if not job_id and (run / RUN_RECORD).exists():
+            state, reason = local_state(run)
+        elif state not in ("COMPLETED", "RUNNING", "UNKNOWN", "NOT SUBMITTED"):
             reason = _error_line(job) if state == "FAILED" else ""
             if not reason:
                 slurm_reason = slurm.get("Reason", "")
@@ -142,26 +191,29 @@ def collect(path: Path) -> list[RunStatus]:
                                                (None, "", "0:0") else "") if x)
         step, reward = last_metrics(run)
         out.append(RunStatus(run_dir=run, job_id=job_id, state=state, reason=reason, last_step=step,
-                             last_reward=reward, logs=[job[k] for k in ("stdout", "stderr") if k in job]))
+                             last_reward=reward, checkpoint=newest_checkpoint(run),
+                             logs=[job[k] for k in ("stdout", "stderr") if k in job]))
     return out
 
 
 def render(statuses: list[RunStatus], title: str) -> Table:
     table = Table(title=title)
-    for column in ("run", "job", "state", "step", "reward", "logs"):
+    for column in ("run", "job", "state", "step", "reward", "checkpoint", "logs"):
         table.add_column(column, overflow="fold")
-    colour = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "FAILED": "red", "CANCELLED": "magenta",
-              "TIMEOUT": "red", "OUT_OF_MEMORY": "red"}
+    colour = {"COMPLETED": "green", "DONE": "green", "RUNNING": "cyan", "PENDING": "yellow", "FAILED": "red",
+              "CANCELLED": "magenta", "TIMEOUT": "red", "OUT_OF_MEMORY": "red", "DIED": "red", "PREEMPTED": "yellow"}
     for s in statuses:
         state = f"[{colour.get(s.state, 'white')}]{s.state}[/]" + (f"\n{s.reason}" if s.reason else "")
         table.add_row(s.run_dir.name, s.job_id or "-", state, "-" if s.last_step is None else str(s.last_step),
-                      "-" if s.last_reward is None else f"{s.last_reward:.4g}", "\n".join(s.logs) or "-")
+                      "-" if s.last_reward is None else f"{s.last_reward:.4g}", s.checkpoint or "-",
+                      "\n".join(s.logs) or "-")
     return table
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m slime_hydra.status", description=__doc__.splitlines()[0])
-    parser.add_argument("path", type=Path, help="a run directory (job.json) or a sweep directory (sweep.json)")
+    parser.add_argument("path", type=Path, help="a run directory, a sweep directory (sweep.json) or a directory of "
+                                                "run directories (output_dir)")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     args = parser.parse_args(argv)
     if not args.path.is_dir():
@@ -174,7 +226,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     elif statuses:
         Console(soft_wrap=True).print(render(statuses, str(args.path)))
     else:
-        print(f"no runs under {args.path} (no job.json or sweep.json)")
+        print(f"slime_hydra.status: no runs under {args.path} (no job.json, run.json or sweep.json)", file=sys.stderr)
+        return 1
     return 0
 
 

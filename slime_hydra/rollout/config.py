@@ -26,7 +26,7 @@ class RolloutConfig:
     """Responses sampled per prompt (the GRPO group size)."""
     over_sampling_batch_prompts: Optional[int] = positive(None)
     """Prompts sent per rollout step when a dynamic filter drops groups (>= batch_prompts); null means batch_prompts."""
-    max_response_tokens: int = positive(8)
+    max_response_tokens: int = positive(1024)
     """Response budget per sample in tokens (SGLang max_new_tokens)."""
     temperature: float = non_negative(1.0)
     """Sampling temperature for training rollouts."""

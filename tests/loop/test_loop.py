@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from slime_hydra import preempt
 from slime_hydra.config import PROJECT_ROOT
 
 SHAPE = ("model.sft_warm_start_steps=0", "rollout.batch_prompts=4", "rollout.n_samples_per_prompt=4",
@@ -63,6 +64,7 @@ def test_default_loop_runs_syncs_and_checkpoints(tmp_path):
     assert 0 <= evals[-1]["eval/addition/accuracy"] <= 1 and "eval/addition/pass@1" in evals[-1]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"
     assert "done" in out.stdout
+    assert json.loads((run / "run.json").read_text())["outcome"] == "done"
 
 
 def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):
@@ -103,7 +105,8 @@ def test_sigterm_checkpoints_and_the_rerun_continues(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and "preempted" in stdout
+    assert proc.returncode == preempt.EXIT_CODE == 75 and "preempted" in stdout
+    assert json.loads((run / "run.json").read_text())["outcome"] == "preempted"
     saved = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     assert 1 <= saved < 8 and [r["step"] for r in train_rows(run)] == list(range(saved))
     out = subprocess.run(args, capture_output=True, text=True, timeout=300)

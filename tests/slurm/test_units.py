@@ -34,3 +34,29 @@ def test_status_reads_metrics_and_survives_missing_slurm(tmp_path, monkeypatch):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "rollout/raw_reward": 0.1}\nnot json\n{"step": 1}\n')
     (run,) = status.collect(tmp_path)
     assert (run.state, run.last_step, run.last_reward, run.logs) == ("UNKNOWN", 1, 0.1, ["o", "e"])
+
+
+def test_status_reads_local_runs(tmp_path, capsys):
+    import json
+    import os
+    import socket
+
+    host = socket.gethostname()
+    records = {"live": {"host": host, "pid": os.getpid(), "outcome": "running"},
+               "killed": {"host": host, "pid": 2 ** 22 + 12345, "outcome": "running"},
+               "finished": {"host": host, "pid": 1, "outcome": "done"},
+               "stopped": {"host": host, "pid": 1, "outcome": "preempted"},
+               "broken": {"host": host, "pid": 1, "outcome": "failed", "error": "RuntimeError: boom"}}
+    for name, record in records.items():
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        (tmp_path / name / "run.json").write_text(json.dumps(record))
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 3, "rollout/raw_reward": 0.5}) + "\n")
+    (tmp_path / "stopped" / "checkpoints" / "latest").write_text("step_000004\n")
+    got = {s.run_dir.name: s for s in status.collect(tmp_path)}
+    assert {n: got[n].state for n in records} == {"live": "RUNNING", "killed": "DIED", "finished": "DONE",
+                                                  "stopped": "PREEMPTED", "broken": "FAILED"}
+    assert got["broken"].reason == "RuntimeError: boom" and "resume" in got["killed"].reason
+    assert got["stopped"].checkpoint == "step_000004" and got["live"].last_step == 3
+    assert status.main([str(tmp_path)]) == 0 and "step_000004" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    assert status.main([str(tmp_path / "empty")]) == 1 and "no runs" in capsys.readouterr().err
