@@ -31,9 +31,9 @@ from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines import start_embedded_engine
 
 
-async def engine_threads(url: str) -> int:
+async def server_info(url: str) -> dict:
     async with SGLangClient(url) as client:
-        return (await client.server_info())["torch_threads"]
+        return await client.server_info()
 
 
 async def one_round(url: str, prompts: list[list[int]], new_tokens: int) -> float:
@@ -101,9 +101,10 @@ def main() -> None:
     engine = start_embedded_engine(str(model_dir), device=args.device, dtype=dtype, max_batch_size=args.batch,
                                    extra_args=extra, log_path=work / "engine.log")
     try:
-        threads = asyncio.run(engine_threads(engine.url))
+        threads = asyncio.run(server_info(engine.url))["torch_threads"]
         asyncio.run(one_round(engine.url, prompts, 8))  # warm-up
         times = [asyncio.run(one_round(engine.url, prompts, args.new_tokens)) for _ in range(args.repeats)]
+        peak = asyncio.run(server_info(engine.url)).get("max_memory_allocated_bytes")
     finally:
         engine.stop()
     tokens = args.batch * args.new_tokens
@@ -113,6 +114,8 @@ def main() -> None:
           f"({args.prompt_tokens}-token prompts): rounds {', '.join(f'{t:.2f}s' for t in times)}")
     print(f"  -> {tokens / statistics.median(times):,.0f} tokens/s (median round), "
           f"{tokens / min(times):,.0f} tokens/s (best round)")
+    if peak is not None:
+        print(f"  engine peak GPU memory (torch max_memory_allocated): {peak / 2**30:.2f} GiB")
     if args.reference == "dynamic":
         torch.set_num_threads(threads)  # the same thread count as the engine: a like-for-like reference
         hf = hf_generate_seconds(model_dir, prompts, args.new_tokens, args.device)

@@ -40,7 +40,8 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "perf/step_time" in l]
 keys = ["perf/step_time", "perf/rollout_time", "perf/logprobs_time", "perf/train_time", "perf/weight_sync_time",
         "perf/offload_time", "perf/overhead_time", "perf/tokens_per_s", "rollout/tokens", "sync/bytes",
-        "perf/trainer_gpu_gb_engines", "perf/trainer_gpu_gb_trainer"]
+        "perf/trainer_gpu_gb_engines", "perf/trainer_gpu_gb_trainer", "perf/trainer_gpu_peak_gb",
+        "rollout/engine_gpu_peak_gb"]
 for r in rows:
     print(r["step"], " ".join(f"{k.split('/')[-1]}={r.get(k, float('nan')):.3f}" for k in keys))
 PY

@@ -212,6 +212,8 @@ class Session:
                     with timer.phase("checkpoint"):
                         self.save()
                 metrics.update({f"perf/trainer_gpu_gb_{k}": v / 2**30 for k, v in self.trainer_gpu_bytes.items()})
+                if self.on_gpu and self.trainer is not None:  # for the memory plan's calibration (config/memory.py)
+                    metrics["perf/trainer_gpu_peak_gb"] = max(self.trainer.call("peak_memory")) / 2**30
                 metrics.update(timer.metrics())
                 self.tracker.log(step, metrics)                              # track
                 progress.update(step, metrics)

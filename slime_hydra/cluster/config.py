@@ -36,7 +36,11 @@ class ClusterConfig:
     time_min: int = positive(60)
     """slurm: wall-clock limit in minutes."""
     mem_gb: Optional[int] = positive(None)
-    """slurm: memory per node in GiB; null means the partition's default."""
+    """Host RAM per node in GiB (slurm: also sbatch --mem); null: the partition's default (local: this machine's).
+    The memory plan checks the host side against it."""
+    gpu_memory_gb: Optional[float] = positive(None)
+    """Memory of one GPU in GiB (80 for an H100 80GB); null: unknown (local: what nvidia-smi reports). The memory
+    plan refuses a config whose per-GPU peak exceeds it."""
     sbatch_extra: List[str] = field(default_factory=list)
     """slurm: extra '#SBATCH' option lines, verbatim (e.g. --reservation=rl)."""
     setup: List[str] = field(default_factory=list)

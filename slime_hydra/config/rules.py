@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 from slime_hydra.algo.config import GROUP_ESTIMATORS
 from slime_hydra.model.config import DENSE_FAMILIES
 from slime_hydra.config.derive import Derived, derive
+from slime_hydra.config.memory import memory_problems, plan_memory
 from slime_hydra.config.passthrough import check_passthrough
 from slime_hydra.config.plugins import check_plugins
 from slime_hydra.config.schema import SlimeConfig
@@ -226,6 +227,11 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       "set rollout.n_samples_per_prompt=8 (or more)")
 
 
+def check_memory(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    """The memory plan fits the GPUs and the nodes' host RAM (config/memory.py)."""
+    yield from memory_problems(cfg, d, plan_memory(cfg, d))
+
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -237,6 +243,7 @@ def _divisor_near(n: int, target: int) -> int:
 
 RULES: tuple[Callable[[SlimeConfig, Derived], Iterator[Problem]], ...] = (
     check_batch, check_parallelism, check_backend, check_rollout, check_placement, check_lengths, check_algo,
+    check_memory,
 )
 
 

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from slime_hydra.config.derive import Derived, gpu_hours_for
+from slime_hydra.config.memory import plan_memory
 from slime_hydra.config.schema import SlimeConfig
 
 
@@ -50,11 +51,8 @@ def placement_lines(cfg: SlimeConfig, d: Derived) -> list[str]:
     gpu = cfg.cluster.gpus_per_node > 0
     bundle = "{GPU: 1, CPU: 1}" if gpu else "{CPU: 1}"
     mode = "colocated (engines and trainer share bundles)" if cfg.cluster.colocate else "disaggregated"
-    sync = cfg.train.weight_sync
-    if sync == "auto":
-        sync = "tensor" if cfg.cluster.colocate else "distributed"
     lines = [
-        f"Ray on {d.nodes} node(s), {mode}, {cfg.mode} mode, weight sync: {sync}",
+        f"Ray on {d.nodes} node(s), {mode}, {cfg.mode} mode, weight sync: {d.weight_sync}",
         f"  placement group 'train': {d.train_gpus} x {bundle} -> {d.train_gpus} {cfg.train.backend} rank actor(s), "
         f"dp={d.dp} tp={cfg.train.tp} pp={cfg.train.pp} cp={cfg.train.cp}",
     ]
@@ -73,6 +71,9 @@ def print_plan(cfg: SlimeConfig, d: Derived, run_dir: Path, console: Console) ->
     for line in placement_lines(cfg, d):
         console.print(line, markup=False, highlight=False)
     console.print(f"  run directory: {run_dir}", markup=False, highlight=False)
+    console.print("Memory plan (estimates, config/memory.py):", markup=False, highlight=False)
+    for line in plan_memory(cfg, d).lines():
+        console.print(f"  {line}", markup=False, highlight=False)
     if cfg.rollout.backend == "sglang" and cfg.debug.mode != "train_only":
         from slime_hydra.rollout.engines.sglang import engine_commands
 

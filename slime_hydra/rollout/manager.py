@@ -196,6 +196,10 @@ class RolloutManager:
         metrics.update({f"rollout/{k}": float(v - self._reported.get(k, 0)) for k, v in counts.items()})
         self._reported = counts
         metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(time.monotonic() - start, 1e-9)
+        peaks = [info["max_memory_allocated_bytes"] for info in await self.pool.on_engines("server_info")
+                 if "max_memory_allocated_bytes" in info]
+        if peaks:  # GPU engines: the most they ever allocated (the memory plan's engine estimate)
+            metrics["rollout/engine_gpu_peak_gb"] = max(peaks) / 2**30
         return {"samples": [s.to_dict() for s in samples], "metrics": metrics}
 
     def _rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:

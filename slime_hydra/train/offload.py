@@ -54,6 +54,14 @@ class Offloadable:
             self._offloaded = to_host(self.model, self.optimizer)
         return float(torch.cuda.memory_allocated())
 
+    def peak_memory(self) -> float:
+        """The most GPU memory torch allocated in this process since the last call (bytes; 0 on CPU)."""
+        if self.device.type != "cuda":
+            return 0.0
+        peak = float(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+
     def onload(self) -> float:
         """Back on the GPU before training; returns the GPU bytes held."""
         if self.device.type != "cuda":

@@ -10,10 +10,13 @@ from tests.config.helpers import load, problems
 CONF = PROJECT_ROOT / "conf"
 
 # The minimal deltas that make an option valid on top of the embedded default (named for each option that
-# needs more than itself: a model other than tiny needs its checkpoint directory, and so on).
-REAL_MODEL = ("model=qwen2_5_0_5b", "model.path=/ckpt/qwen2_5_0_5b", "rollout.max_response_tokens=1024")
+# needs more than itself: a model other than tiny needs its checkpoint directory, and so on). Real models compose
+# on a SLURM cluster whose memory is not stated, so the memory plan (tests/config/test_memory.py) refuses nothing
+# here; on this CPU machine most would not fit.
+REAL_MODEL = ("model=qwen2_5_0_5b", "model.path=/ckpt/qwen2_5_0_5b", "rollout.max_response_tokens=1024", "cluster=slurm",
+              "rollout.num_gpus=1")
 NEEDS = {
-    ("model", "*"): ("model.path=/ckpt/dir",),
+    ("model", "*"): ("model.path=/ckpt/dir", "cluster=slurm", "rollout.num_gpus=1"),
     ("algo", "*"): REAL_MODEL,
     ("data", "*"): REAL_MODEL,
     ("data", "jsonl"): ("data.path=/data/train.jsonl",),
@@ -82,7 +85,7 @@ def test_embedded_default_values_and_tiny_tuning():
     assert (cfg.model.name, cfg.algo.name, cfg.rollout.backend, cfg.train.backend) == ("tiny", "grpo", "embedded", "fsdp")
     assert (cfg.train.lr, cfg.train.dtype, cfg.num_steps, cfg.model.sft_warm_start_steps) == (2e-4, "fp32", 120, 350)
     # ... conf/tuning/tiny.yaml applies for model=tiny ...
-    big, _ = load("model=qwen3_8b", "model.path=/ckpt")
+    big, _ = load("model=qwen3_8b", "model.path=/ckpt", "cluster=slurm", "rollout.num_gpus=1")
     assert (big.train.lr, big.train.dtype, big.num_steps) == (1e-6, "bf16", 200)  # ... and only for it
     assert (d.samples_per_rollout, d.global_batch_samples, d.optimizer_steps_per_rollout) == (256, 256, 1)
     assert (d.dp, d.grad_accum_steps, d.total_gpus, d.nodes) == (1, 4, 2, 1)

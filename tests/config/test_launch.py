@@ -92,9 +92,10 @@ def test_checkpoint_architecture_must_match_the_model_option(tmp_path):
     (ckpt / "config.json").write_text(json.dumps({"num_hidden_layers": 24, "hidden_size": 896, "num_attention_heads": 14,
                                                   "num_key_value_heads": 2, "intermediate_size": 4864,
                                                   "vocab_size": 151936, "max_position_embeddings": 32768}))
-    ok = launch("model=qwen2_5_0_5b", f"model.path={ckpt}", f"output_dir={tmp_path}", "dry_run=true")
+    gpu = ("cluster.gpus_per_node=2", "cluster.gpu_memory_gb=80", "rollout.max_response_tokens=512")
+    ok = launch("model=qwen2_5_0_5b", f"model.path={ckpt}", f"output_dir={tmp_path}", "dry_run=true", *gpu)
     assert ok.returncode == 0 and "config.json" not in ok.stderr, ok.stderr
-    wrong = launch("model=qwen3_0_6b", f"model.path={ckpt}", f"output_dir={tmp_path}", "run_name=bad")
+    wrong = launch("model=qwen3_0_6b", f"model.path={ckpt}", f"output_dir={tmp_path}", "run_name=bad", *gpu)
     assert wrong.returncode == 2
     assert "model.num_layers" in wrong.stderr and "config.json says 24" in wrong.stderr
 

@@ -300,6 +300,7 @@ class Engine:
         memory = {}
         if runner.device.type == "cuda":
             memory["memory_allocated_bytes"] = torch.cuda.memory_allocated(runner.device)
+            memory["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(runner.device)
         return {**memory, "engine": "slime_hydra.embedded", "model_path": runner.model_path,
                 "tokenizer_path": runner.tokenizer_path, "served_model_name": runner.model_path, "host": self.host,
                 "port": self.port, "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),

@@ -1,0 +1,314 @@
+"""The memory plan: what each role holds on a GPU and in host RAM, from the config alone, before anything starts.
+
+``plan_memory(cfg, d)`` gives, per GPU, the trainer rank's and the engine's peak (and, colocated, the GPU's: the two
+take turns, so the larger of the two plus what the other keeps), and per node the host RAM (reference copies,
+offload buffers, parked engine weights, and on a CPU-only machine everything). ``memory_problems`` refuses a plan
+that does not fit ``cluster.gpu_memory_gb`` / the node's host RAM, with the numbers, the smallest GPU that fits and
+the overrides that would make it fit (each re-planned, so the list is true).
+
+Estimates, in bytes (P = parameters of this rank's shard, T = tokens of one micro-batch on this rank, K = the
+positions whose logits are computed, V = vocabulary, L = layers, H = hidden, F = MLP width, h / g / d = query
+heads / KV heads / head dim):
+
+    trainer static      P x (4 fp32 master + 4 fp32 grad + 8 Adam / ZeRO peers) + P x 2 bf16 compute copy (GPU, bf16)
+    activations         T x L_stage x a,  a = 8H + 2(h + 2g)d + 2(h + g)d + 2hd + 8F  bytes per token and layer in
+                        bf16 (the tensors autograd keeps: norms, q/k/v before and after RoPE, attention out, the
+                        MLP's gate / up / act / product); TP divides the head and F terms; x2 in fp32; with
+                        recomputation 2H per token and layer plus one layer's full set; PP: the first stage keeps
+                        min(pp, micro-batches) in flight
+    logits              K x V / tp x 4 bytes compiled (bf16 logits and their grad; the fp32 logsumexp is fused),
+                        x 16 eager (fp32 temporaries), measured on an H100 (docs/benchmarks.md)
+    engine              weights P x 2 (bf16) / gpus_per_engine; KV cache slots x capacity x L x 2 x g x d x 2 with
+                        capacity the power of two above prompt + response (the embedded engine's slots); decode
+                        logits and CUDA-graph outputs; SGLang takes rollout.sglang.mem_fraction_static of the GPU
+    host                the reference policy (4 bytes / param of each rank's shard, pinned), colocated offload
+                        buffers (the trainer's masters + Adam state) and parked engine weights, ~0.6 GiB per process;
+                        on a CPU-only machine the trainer and engines themselves, in fp32
+
+plus ``CUDA_RESERVE`` per GPU (context, cuBLAS workspaces, allocator slack). Calibrated against torch's peak
+allocation on an H100 (docs/benchmarks.md, "The memory plan against measurement").
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Optional
+
+from slime_hydra.config.derive import Derived, derive
+from slime_hydra.config.schema import SlimeConfig
+from slime_hydra.options import Problem
+
+GiB = 2 ** 30
+CUDA_RESERVE = 1.5 * GiB
+"""Per GPU beyond what torch allocates: the CUDA context (~0.5 GiB), cuBLAS/NCCL workspaces, allocator slack."""
+PROCESS_HOST = 0.6 * GiB
+"""Host RAM of one Python process with torch (the driver, a rank, an engine, the rollout manager)."""
+LOGIT_BYTES = {True: 4, False: 16}
+"""Bytes per computed logit in a training step: compiled (bf16 logits + grad) or eager (fp32 temporaries)."""
+
+
+@dataclass(frozen=True)
+class Params:
+    """Parameter counts of the model option (from its architecture numbers)."""
+
+    per_layer: int
+    embedding: int
+    head: int
+    final_norm: int
+
+    def total(self, layers: int) -> int:
+        return self.per_layer * layers + self.embedding + self.head + self.final_norm
+
+
+def param_counts(cfg: SlimeConfig) -> Params:
+    m = cfg.model
+    h, g, d, hidden = m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.hidden_size
+    attention = hidden * h * d + 2 * hidden * g * d + h * d * hidden + (h + 2 * g) * d  # + q/k/v biases
+    if m.is_moe:
+        mlp = m.num_experts * 3 * hidden * (m.moe_ffn_hidden_size or m.ffn_hidden_size) + hidden * m.num_experts
+    else:
+        mlp = 3 * hidden * m.ffn_hidden_size
+    embedding = m.vocab_size * hidden
+    return Params(per_layer=attention + mlp + 4 * hidden, embedding=embedding,
+                  head=0 if m.tie_word_embeddings else embedding, final_norm=hidden)
+
+
+@dataclass
+class Usage:
+    """What one role holds, by part (bytes)."""
+
+    role: str
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def line(self) -> str:
+        parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in self.parts.items() if v >= 0.05 * GiB)
+        return f"{self.role}: {self.total / GiB:.1f} GiB ({parts})"
+
+
+@dataclass
+class MemoryPlan:
+    gpu: list[Usage]
+    """Per GPU kind: the trainer rank, the engine, and (colocated) the shared GPU; each with CUDA_RESERVE."""
+    host: Usage
+    """Host RAM of the busiest node."""
+    gpu_capacity: Optional[float]
+    """Bytes per GPU (cluster.gpu_memory_gb), None when unknown."""
+    host_capacity: Optional[float]
+    """Bytes of host RAM per node (cluster.mem_gb, or this machine's), None when unknown."""
+    on_gpu: bool
+
+    @property
+    def gpu_peak(self) -> float:
+        return max((u.total for u in self.gpu), default=0.0)
+
+    def lines(self) -> list[str]:
+        cap = lambda c: "unknown" if c is None else f"{c / GiB:.0f} GiB"  # noqa: E731
+        out = [f"per GPU ({cap(self.gpu_capacity)}): " + u.line() for u in self.gpu]
+        out.append(f"host RAM per node ({cap(self.host_capacity)}): " + self.host.line())
+        return out
+
+
+def _tokens(cfg: SlimeConfig, d: Derived) -> tuple[int, int]:
+    """(T, K): tokens of one micro-batch on a trainer rank, and the positions whose logits it computes."""
+    t, context = cfg.train, d.context_tokens
+    if t.max_tokens_per_gpu:
+        tokens = t.max_tokens_per_gpu * (t.cp if t.backend == "megatron" else 1)
+    else:
+        tokens = t.micro_batch_samples * context
+    samples = max(tokens // max(context, 1), 1)
+    return tokens // (t.cp if t.backend == "megatron" else 1), samples * cfg.rollout.max_response_tokens
+
+
+def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> Usage:
+    """One training rank's peak during a step (on the GPU; in host RAM on a CPU-only machine)."""
+    m, t = cfg.model, cfg.train
+    on_gpu = cfg.cluster.gpus_per_node > 0
+    bf16 = on_gpu and t.dtype == "bf16"
+    counts = param_counts(cfg)
+    megatron = t.backend == "megatron"
+    layers = math.ceil(m.num_layers / t.pp) if megatron else m.num_layers
+    if megatron:  # the busiest stage: its layers, the embedding (first) and the head (last), split over TP
+        params = (counts.per_layer * layers + (counts.embedding + counts.head if t.pp == 1 else counts.embedding)
+                  ) / t.tp
+        adam_peers = d.dp * t.cp if t.distributed_optimizer else 1
+        shard = 1
+    else:
+        params = counts.total(m.num_layers)
+        adam_peers, shard = 1, d.dp
+    usage = Usage(role)
+    usage.parts["fp32 masters + grads"] = params * 8 / shard
+    usage.parts["Adam state"] = params * 8 / shard / adam_peers
+    if bf16:
+        usage.parts["bf16 compute copy"] = params * 2 / shard if (megatron or d.dp == 1) else (
+            4 * counts.per_layer * 2)  # FSDP2: two layers unsharded at a time (prefetch)
+    tokens, logits = _tokens(cfg, d)
+    h, g, dim, hidden = m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.hidden_size
+    width = (m.moe_ffn_hidden_size or m.ffn_hidden_size) * max(m.moe_top_k, 1) if m.is_moe else m.ffn_hidden_size
+    tp = t.tp if megatron else 1
+    per_token = 8 * hidden + (2 * (h + 2 * g) * dim + 2 * (h + g) * dim + 2 * h * dim + 8 * width) / tp
+    scale = 1 if bf16 else 2
+    if t.gradient_checkpointing:
+        act = tokens * (2 * hidden * layers + per_token) * scale
+    else:
+        act = tokens * per_token * layers * scale
+    in_flight = min(t.pp, max(d.grad_accum_steps, 1)) if megatron else 1
+    usage.parts["activations"] = act * in_flight
+    compiled = t.compile if t.compile is not None else on_gpu
+    usage.parts["logits"] = logits * m.vocab_size / tp * LOGIT_BYTES[bool(compiled and on_gpu)] * (1 if bf16 else 2)
+    return usage
+
+
+def engine_usage(cfg: SlimeConfig, d: Derived) -> Usage:
+    """One engine GPU's peak while generating (an embedded engine: weights, slot KV cache, decode outputs)."""
+    m, r = cfg.model, cfg.rollout
+    usage = Usage("engine")
+    counts = param_counts(cfg)
+    if r.backend == "sglang":
+        fraction = float(r.sglang.get("mem_fraction_static") or 0.88)  # SGLang's default for large GPUs
+        capacity = _gpu_capacity(cfg)
+        if capacity is not None:  # SGLang takes this share of the GPU whatever the model needs
+            usage.parts[f"SGLang mem_fraction_static {fraction}"] = fraction * capacity
+        return usage
+    on_gpu = cfg.cluster.gpus_per_node > 0
+    width = 2 if on_gpu and cfg.train.dtype == "bf16" else 4
+    usage.parts["weights"] = counts.total(m.num_layers) * width / r.gpus_per_engine
+    slots = min(r.batch_prompts * r.n_samples_per_prompt, r.max_concurrency_per_engine * max(d.num_engines, 1))
+    capacity = min(max(128, 1 << (d.context_tokens - 1).bit_length()), m.max_position_embeddings)
+    kv = slots * capacity * m.num_layers * 2 * m.num_kv_heads * m.kv_channels * width
+    usage.parts["KV cache"] = kv * 1.5  # growing to the next power of two keeps the old cache until copied
+    usage.parts["decode logits + graph outputs"] = 3 * slots * m.vocab_size * 4
+    return usage
+
+
+def _gpu_capacity(cfg: SlimeConfig) -> Optional[float]:
+    """cluster.gpu_memory_gb, or on a local GPU machine what nvidia-smi reports for its first GPU."""
+    if cfg.cluster.gpu_memory_gb:
+        return cfg.cluster.gpu_memory_gb * GiB
+    if cfg.cluster.scheduler == "local" and cfg.cluster.gpus_per_node > 0:
+        import subprocess
+
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10)
+            return float(out.stdout.split()[0]) * 2 ** 20 if out.returncode == 0 and out.stdout.split() else None
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            return None
+    return None
+
+
+def _host_capacity(cfg: SlimeConfig) -> Optional[float]:
+    if cfg.cluster.mem_gb:
+        return cfg.cluster.mem_gb * GiB
+    if cfg.cluster.scheduler == "local":
+        import os
+
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return None
+
+
+def plan_memory(cfg: SlimeConfig, d: Derived) -> MemoryPlan:
+    on_gpu = cfg.cluster.gpus_per_node > 0
+    trainer = trainer_usage(cfg, d)
+    engine = engine_usage(cfg, d) if cfg.debug.mode != "train_only" else Usage("engine")
+    shard_params = trainer.parts["fp32 masters + grads"] / 8
+    ranks_per_node = min(d.train_gpus, d.gpus_per_node) if on_gpu else d.train_gpus
+    engines_per_node = min(d.num_engines, d.gpus_per_node) if on_gpu else d.num_engines
+    host = Usage("host")
+    processes = ranks_per_node + engines_per_node + 3  # + driver, rollout manager, router
+    host.parts["processes"] = processes * PROCESS_HOST
+    if cfg.algo.needs_reference:
+        host.parts["reference copies"] = ranks_per_node * shard_params * 4
+    gpus: list[Usage] = []
+    if on_gpu:
+        for usage in (trainer, engine):
+            usage.parts["CUDA reserve"] = CUDA_RESERVE
+        if cfg.cluster.colocate:
+            shared = Usage("colocated GPU (trainer and engine take turns)")
+            shared.parts.update({"the larger of the two": max(trainer.total, engine.total) - CUDA_RESERVE,
+                                 "CUDA reserve (two processes)": 2 * CUDA_RESERVE})
+            gpus.append(shared)
+            host.parts["trainer offload"] = ranks_per_node * (trainer.parts["fp32 masters + grads"] / 2
+                                                              + trainer.parts["Adam state"])
+            host.parts["parked engine weights"] = engines_per_node * engine.parts.get("weights", 0.0)
+        else:
+            gpus += [trainer] + ([engine] if engine.parts else [])
+    else:  # a CPU-only machine: every role in host RAM, fp32
+        host.parts["trainer ranks"] = ranks_per_node * trainer.total
+        host.parts["engines"] = engines_per_node * engine.total
+    return MemoryPlan(gpus, host, _gpu_capacity(cfg), _host_capacity(cfg), on_gpu)
+
+
+# ---- refusal with what would fit ----------------------------------------------------------------------------------
+def _fits(plan: MemoryPlan) -> bool:
+    gpu_ok = plan.gpu_capacity is None or plan.gpu_peak <= plan.gpu_capacity
+    host_ok = plan.host_capacity is None or plan.host.total <= plan.host_capacity
+    return gpu_ok and host_ok
+
+
+def _try(cfg: SlimeConfig, overrides: dict[str, object]) -> Optional[MemoryPlan]:
+    """The plan of cfg with ``overrides`` (dotted keys) applied, or None when that config is not well formed."""
+    groups: dict[str, dict] = {}
+    top = {}
+    for key, value in overrides.items():
+        group, _, name = key.partition(".")
+        if name:
+            groups.setdefault(group, {})[name] = value
+        else:
+            top[group] = value
+    changed = replace(cfg, **top, **{g: replace(getattr(cfg, g), **kv) for g, kv in groups.items()})
+    try:
+        return plan_memory(changed, derive(changed))
+    except (ZeroDivisionError, ValueError):
+        return None
+
+
+def _fixes(cfg: SlimeConfig, d: Derived) -> list[str]:
+    """Overrides that make the plan fit, each checked by re-planning (cheapest kinds first)."""
+    out = []
+    candidates: list[dict[str, object]] = []
+    if not cfg.train.gradient_checkpointing and cfg.cluster.gpus_per_node > 0:
+        candidates.append({"train.gradient_checkpointing": True})
+    if cfg.train.micro_batch_samples > 1 and not cfg.train.max_tokens_per_gpu:
+        candidates.append({"train.micro_batch_samples": 1})
+    if cfg.cluster.colocate:
+        candidates.append({"cluster.colocate": False, "rollout.num_gpus": d.train_gpus})
+    for gpus in (2, 4, 8, 16, 32, 64, 128, 256, 512):
+        if gpus > cfg.train.num_gpus and gpus % cfg.train.model_parallel_size == 0:
+            candidates.append({"train.num_gpus": gpus})
+    for candidate in candidates:
+        plan = _try(cfg, candidate)
+        if plan is not None and _fits(plan):
+            out.append(" ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in candidate.items()))
+            if len(out) == 3:
+                break
+    return out
+
+
+def memory_problems(cfg: SlimeConfig, d: Derived, plan: MemoryPlan) -> Iterator[Problem]:
+    if plan.gpu_capacity is not None and plan.gpu_peak > plan.gpu_capacity:
+        worst = max(plan.gpu, key=lambda u: u.total)
+        fixes = _fixes(cfg, d)
+        yield Problem(("cluster.gpu_memory_gb", "train.num_gpus", "train.micro_batch_samples"),
+                      f"{worst.line()} does not fit a GPU of {plan.gpu_capacity / GiB:.0f} GiB; the smallest GPU "
+                      f"that holds this plan has {math.ceil(worst.total / GiB)} GiB",
+                      ("try " + "; or ".join(fixes)) if fixes else
+                      "shard more (train.num_gpus, train=megatron train.tp / train.pp) or use bigger GPUs")
+    if plan.host_capacity is not None and plan.host.total > plan.host_capacity:
+        need = math.ceil(plan.host.total / GiB)
+        if not plan.on_gpu:
+            params = param_counts(cfg).total(cfg.model.num_layers)
+            yield Problem(("cluster.gpus_per_node", "model"),
+                          f"on this CPU-only machine the run needs ~{need} GiB of host RAM ({plan.host.line()}), "
+                          f"{plan.host_capacity / GiB:.0f} GiB here: {cfg.model.name} has {params / 1e9:.1f}B "
+                          "parameters",
+                          "train it on GPUs: cluster=<a GPU site, e.g. slurm_8xh100> (or cluster.gpus_per_node=N "
+                          "cluster.gpu_memory_gb=M on a GPU machine) and model.path=<checkpoint>")
+        else:
+            yield Problem(("cluster.mem_gb",),
+                          f"a node needs ~{need} GiB of host RAM ({plan.host.line()}), "
+                          f"{plan.host_capacity / GiB:.0f} GiB available",
+                          f"set cluster.mem_gb >= {need} (a larger node), or reduce what lives on the host "
+                          "(algo.kl_loss_coef=0 drops the reference copies; cluster.colocate=false the offload)")
