@@ -10,14 +10,15 @@ Estimates, in bytes (P = parameters of this rank's shard, T = tokens of one micr
 positions whose logits are computed, V = vocabulary, L = layers, H = hidden, F = MLP width, h / g / d = query
 heads / KV heads / head dim):
 
-    trainer static      P x (4 fp32 master + 4 fp32 grad + 8 Adam / ZeRO peers) + P x 2 bf16 compute copy (GPU, bf16)
+    trainer static      P x (4 fp32 master + 4 fp32 grad + 8 Adam / ZeRO peers) + P x 2 bf16 compute copy + P x 2
+                        its gradients (GPU, bf16; added into the fp32 grads after the backward)
     activations         T x L_stage x a,  a = 8H + 2(h + 2g)d + 2(h + g)d + 2hd + 8F  bytes per token and layer in
                         bf16 (the tensors autograd keeps: norms, q/k/v before and after RoPE, attention out, the
                         MLP's gate / up / act / product); TP divides the head and F terms; x2 in fp32; with
                         recomputation 2H per token and layer plus one layer's full set; PP: the first stage keeps
                         min(pp, micro-batches) in flight
     logits              K x V / tp x 4 bytes compiled (bf16 logits and their grad; the fp32 logsumexp is fused),
-                        x 16 eager (fp32 temporaries), measured on an H100 (docs/benchmarks.md)
+                        x 20 eager (fp32 temporaries), measured on an H100 (docs/benchmarks.md)
     engine              weights P x 2 (bf16) / gpus_per_engine; KV cache slots x capacity x L x 2 x g x d x 2 with
                         capacity the power of two above prompt + response (the embedded engine's slots); decode
                         logits and CUDA-graph outputs; SGLang takes rollout.sglang.mem_fraction_static of the GPU
@@ -42,7 +43,7 @@ CUDA_RESERVE = 1.5 * GiB
 """Per GPU beyond what torch allocates: the CUDA context (~0.5 GiB), cuBLAS/NCCL workspaces, allocator slack."""
 PROCESS_HOST = 0.6 * GiB
 """Host RAM of one Python process with torch (the driver, a rank, an engine, the rollout manager)."""
-LOGIT_BYTES = {True: 4, False: 16}
+LOGIT_BYTES = {True: 4, False: 20}
 """Bytes per computed logit in a training step: compiled (bf16 logits + grad) or eager (fp32 temporaries)."""
 
 
@@ -144,6 +145,7 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
     if bf16:
         usage.parts["bf16 compute copy"] = params * 2 / shard if (megatron or d.dp == 1) else (
             4 * counts.per_layer * 2)  # FSDP2: two layers unsharded at a time (prefetch)
+        usage.parts["bf16 gradients"] = params * 2 / shard  # the compute copy's, added into the fp32 grads after
     tokens, logits = _tokens(cfg, d)
     h, g, dim, hidden = m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.hidden_size
     width = (m.moe_ffn_hidden_size or m.ffn_hidden_size) * max(m.moe_top_k, 1) if m.is_moe else m.ffn_hidden_size
@@ -175,7 +177,8 @@ def engine_usage(cfg: SlimeConfig, d: Derived) -> Usage:
     on_gpu = cfg.cluster.gpus_per_node > 0
     width = 2 if on_gpu and cfg.train.dtype == "bf16" else 4
     usage.parts["weights"] = counts.total(m.num_layers) * width / r.gpus_per_engine
-    slots = min(r.batch_prompts * r.n_samples_per_prompt, r.max_concurrency_per_engine * max(d.num_engines, 1))
+    # the router may send every request of a step to one engine (cache-aware routing keeps a prompt's group together)
+    slots = min(r.batch_prompts * r.n_samples_per_prompt, r.max_concurrency_per_engine)
     capacity = min(max(128, 1 << (d.context_tokens - 1).bit_length()), m.max_position_embeddings)
     kv = slots * capacity * m.num_layers * 2 * m.num_kv_heads * m.kv_channels * width
     usage.parts["KV cache"] = kv * 1.5  # growing to the next power of two keeps the old cache until copied
@@ -242,10 +245,12 @@ def plan_memory(cfg: SlimeConfig, d: Derived) -> MemoryPlan:
 
 
 # ---- refusal with what would fit ----------------------------------------------------------------------------------
-def _fits(plan: MemoryPlan) -> bool:
-    gpu_ok = plan.gpu_capacity is None or plan.gpu_peak <= plan.gpu_capacity
-    host_ok = plan.host_capacity is None or plan.host.total <= plan.host_capacity
-    return gpu_ok and host_ok
+def _over(plan: MemoryPlan) -> list[str]:
+    """The places that do not fit: GPU roles (their names) and "host"."""
+    out = [] if plan.gpu_capacity is None else [u.role for u in plan.gpu if u.total > plan.gpu_capacity]
+    if plan.host_capacity is not None and plan.host.total > plan.host_capacity:
+        out.append("host")
+    return out
 
 
 def _try(cfg: SlimeConfig, overrides: dict[str, object]) -> Optional[MemoryPlan]:
@@ -265,22 +270,31 @@ def _try(cfg: SlimeConfig, overrides: dict[str, object]) -> Optional[MemoryPlan]
         return None
 
 
-def _fixes(cfg: SlimeConfig, d: Derived) -> list[str]:
-    """Overrides that make the plan fit, each checked by re-planning (cheapest kinds first)."""
+def _fixes(cfg: SlimeConfig, d: Derived, place: str) -> list[str]:
+    """Overrides that make ``place`` (a GPU role or "host") fit without making anything else overflow, each
+    checked by re-planning (cheapest kinds first)."""
     out = []
     candidates: list[dict[str, object]] = []
     if not cfg.train.gradient_checkpointing and cfg.cluster.gpus_per_node > 0:
         candidates.append({"train.gradient_checkpointing": True})
     if cfg.train.micro_batch_samples > 1 and not cfg.train.max_tokens_per_gpu:
         candidates.append({"train.micro_batch_samples": 1})
+        if not cfg.train.gradient_checkpointing and cfg.cluster.gpus_per_node > 0:
+            candidates.append({"train.gradient_checkpointing": True, "train.micro_batch_samples": 1})
+    if cfg.rollout.backend == "embedded" and cfg.cluster.gpus_per_node > 0:
+        concurrency = cfg.rollout.max_concurrency_per_engine // 2
+        while concurrency >= 8:
+            candidates.append({"rollout.max_concurrency_per_engine": concurrency})
+            concurrency //= 2
     if cfg.cluster.colocate:
         candidates.append({"cluster.colocate": False, "rollout.num_gpus": d.train_gpus})
     for gpus in (2, 4, 8, 16, 32, 64, 128, 256, 512):
         if gpus > cfg.train.num_gpus and gpus % cfg.train.model_parallel_size == 0:
             candidates.append({"train.num_gpus": gpus})
+    before = set(_over(plan_memory(cfg, d)))
     for candidate in candidates:
         plan = _try(cfg, candidate)
-        if plan is not None and _fits(plan):
+        if plan is not None and place not in _over(plan) and set(_over(plan)) <= before:
             out.append(" ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in candidate.items()))
             if len(out) == 3:
                 break
@@ -288,14 +302,19 @@ def _fixes(cfg: SlimeConfig, d: Derived) -> list[str]:
 
 
 def memory_problems(cfg: SlimeConfig, d: Derived, plan: MemoryPlan) -> Iterator[Problem]:
-    if plan.gpu_capacity is not None and plan.gpu_peak > plan.gpu_capacity:
-        worst = max(plan.gpu, key=lambda u: u.total)
-        fixes = _fixes(cfg, d)
-        yield Problem(("cluster.gpu_memory_gb", "train.num_gpus", "train.micro_batch_samples"),
-                      f"{worst.line()} does not fit a GPU of {plan.gpu_capacity / GiB:.0f} GiB; the smallest GPU "
-                      f"that holds this plan has {math.ceil(worst.total / GiB)} GiB",
-                      ("try " + "; or ".join(fixes)) if fixes else
-                      "shard more (train.num_gpus, train=megatron train.tp / train.pp) or use bigger GPUs")
+    """One problem per place that does not fit: each GPU role, the host."""
+    for usage in plan.gpu:
+        if plan.gpu_capacity is None or usage.total <= plan.gpu_capacity:
+            continue
+        fixes = _fixes(cfg, d, usage.role)
+        engine = usage.role == "engine"
+        keys = (("cluster.gpu_memory_gb", "rollout.max_concurrency_per_engine", "rollout.backend") if engine else
+                ("cluster.gpu_memory_gb", "train.num_gpus", "train.micro_batch_samples"))
+        fallback = ("serve the model with SGLang's paged cache (rollout=sglang) or use bigger GPUs" if engine else
+                    "shard more (train.num_gpus, train=megatron train.tp / train.pp) or use bigger GPUs")
+        yield Problem(keys, f"{usage.line()} does not fit a GPU of {plan.gpu_capacity / GiB:.0f} GiB; the smallest "
+                      f"GPU that holds it has {math.ceil(usage.total / GiB)} GiB",
+                      ("try " + "; or ".join(fixes)) if fixes else fallback)
     if plan.host_capacity is not None and plan.host.total > plan.host_capacity:
         need = math.ceil(plan.host.total / GiB)
         if not plan.on_gpu:

@@ -61,3 +61,8 @@ def preempt_then_resume(cfg, run_dir: Path) -> str:
     (run_dir / "resumed.json").write_text(json.dumps({"starts": starts + 1, "resume": cfg.resume,
                                                       "job_id": os.environ.get("SLURM_JOB_ID")}))
     return "done"
+
+
+def crash(cfg, run_dir: Path) -> str:
+    """Fail inside the job (after pre-flight accepted it): status must show FAILED with this message."""
+    raise RuntimeError("deliberate crash in the job body")

@@ -134,11 +134,11 @@ def test_cancelled_job_shows_cancelled_and_nothing_waits_forever(tmp_path):
 
 
 def test_failed_job_shows_failed_with_its_reason(tmp_path):
-    job = submit_body(tmp_path, "fail", "no_such_body")
+    job = submit_body(tmp_path, "fail", "crash")
     wait_until(lambda: job.job.done(), 90, "the job to end")
     run = wait_until(lambda: (lambda s: s if s.state == "FAILED" else None)(state_of(tmp_path / "fail")), 30,
                      "status to report FAILED")
-    assert "no_such_body" in run.reason
+    assert "deliberate crash in the job body" in run.reason
 
 
 def test_time_limit_signal_requeues_and_the_job_resumes(tmp_path):

@@ -514,7 +514,8 @@ def test_unsupported_settings_are_refused_with_the_fix(one_rank):
 def test_context_parallelism_validates_for_megatron_and_is_refused_for_fsdp():
     from tests.config.helpers import load, problems
 
-    big = ("model=qwen3_8b", "model.path=/ckpt/qwen3_8b", "cluster.gpus_per_node=8", "train.micro_batch_samples=1")
+    big = ("model=qwen3_8b", "model.path=/ckpt/qwen3_8b", "cluster=slurm", "cluster.gpus_per_node=8",
+           "train.micro_batch_samples=1")  # capacities unknown: no memory plan check (tests/config/test_memory.py)
     _, derived = load(*big, "train=megatron", "train.num_gpus=6", "train.cp=3")
     assert derived.dp == 2  # world = tp x cp x pp x dp
     _, derived = load(*big, "train=megatron", "train.num_gpus=4", "train.tp=2", "train.cp=2")

@@ -1,0 +1,106 @@
+"""The memory plan (config/memory.py): refusals with the numbers and fixes that really fit, and its estimates against
+what torch allocated on an H100 (docs/benchmarks.md, "The memory plan against measurement")."""
+
+import pytest
+
+from slime_hydra.config import ConfigError, compose, to_config
+from slime_hydra.config.derive import derive
+from slime_hydra.config.memory import GiB, engine_usage, plan_memory, trainer_usage
+from tests.config.helpers import load, problems
+
+H100 = ("cluster=slurm_8xh100", "model.path=/ckpt/model")
+
+
+def test_a_9b_model_on_this_cpu_machine_is_refused_with_its_size_and_where_to_run_it():
+    error = problems("model=glm4_9b", "algo=grpo", "model.path=/ckpt/glm4_9b", "cluster.mem_gb=24")
+    (problem,) = [p for p in error.problems if "cluster.gpus_per_node" in p.keys]
+    assert "CPU-only machine" in problem.message and "glm4_9b has 9.4B parameters" in problem.message
+    need = int(problem.message.split("needs ~")[1].split(" GiB")[0])
+    assert 150 <= need <= 400  # fp32 trainer + Adam + engine + reference copy of 9.4B parameters
+    assert "cluster=<a GPU site" in problem.fix
+
+
+def test_a_9b_model_on_one_h100_is_refused_and_the_suggested_fix_plans():
+    error = problems("model=glm4_9b", "algo=grpo", *H100, "train.num_gpus=1")
+    (problem,) = error.problems
+    assert problem.keys[0] == "cluster.gpu_memory_gb" and "trainer rank" in problem.message
+    assert "does not fit a GPU of 80 GiB" in problem.message
+    assert "try train.num_gpus=4" in problem.fix  # 2 GPUs still hold ~91 GiB a rank; 4 fit
+    load("model=glm4_9b", "algo=grpo", *H100, "train.num_gpus=4")
+
+
+@pytest.mark.parametrize("overrides", [
+    ("model=glm4_9b", "train.num_gpus=1"),
+    ("model=qwen3_8b", "train.num_gpus=2", "train.micro_batch_samples=8"),
+    ("model=qwen3_4b", "train.num_gpus=1", "rollout.max_response_tokens=4096", "train.micro_batch_samples=4"),
+    ("model=qwen2_5_7b", "train.num_gpus=8", "rollout.num_gpus=8", "rollout.max_concurrency_per_engine=512",
+     "rollout.batch_prompts=64", "rollout.max_response_tokens=8192"),
+])
+def test_every_suggested_fix_removes_its_problem_and_adds_none(overrides):
+    """The fixes are re-planned before they are offered: applying one of them leaves the other problems only."""
+    error = problems(*H100, *overrides)
+    checked = 0
+    for problem in error.problems:
+        role = problem.message.split(":")[0]  # "trainer rank", "engine", ...
+        fixes = problem.fix.removeprefix("try ").split("; or ") if problem.fix.startswith("try ") else []
+        for fix in fixes:
+            try:
+                load(*H100, *overrides, *fix.split())
+                left = []
+            except ConfigError as still:
+                left = still.problems
+            assert len(left) < len(error.problems), (fix, left)
+            assert not any(p.message.startswith(role + ":") for p in left), (fix, left)
+            checked += 1
+    assert checked >= 1, error
+
+
+def test_the_engine_is_refused_on_its_own_with_engine_fixes():
+    """An 8B model on the embedded engine with 256 concurrent 9k-token sequences: the slot cache cannot fit."""
+    error = problems("model=qwen3_8b", *H100, "train.num_gpus=4", "rollout.num_gpus=4",
+                     "rollout.max_response_tokens=8192", "train.gradient_checkpointing=true")
+    (problem,) = error.problems
+    assert problem.message.startswith("engine: ") and "KV cache" in problem.message
+    assert "rollout.max_concurrency_per_engine" in problem.keys
+    assert "rollout.max_concurrency_per_engine=" in problem.fix
+
+
+def test_capacities_unknown_refuse_nothing():
+    load("model=glm4_9b", "cluster=slurm", "model.path=/ckpt/glm4_9b", "train.num_gpus=1")
+
+
+def test_the_cpu_default_fits_this_machine():
+    cfg, d = load()
+    plan = plan_memory(cfg, d)
+    assert not plan.on_gpu and plan.host.total < 4 * GiB
+
+
+def _usage(role, *overrides):
+    cfg = to_config(compose(["cluster=slurm", "cluster.gpus_per_node=1", "model.path=/x", *overrides]))
+    usage = role(cfg, derive(cfg))
+    usage.parts.pop("CUDA reserve", None)  # compared with torch's max_memory_allocated, which excludes it
+    return usage.total / GiB
+
+
+BENCH = ("train.num_gpus=1", "rollout.num_gpus=1", "cluster.colocate=false", "data.max_prompt_tokens=256",
+         "rollout.max_response_tokens=768", "train.global_batch_samples=8", "train.micro_batch_samples=8")
+LOOP = ("model=qwen2_5_0_5b", "train.num_gpus=1", "train.micro_batch_samples=32", "rollout.batch_prompts=32",
+        "rollout.n_samples_per_prompt=8", "rollout.max_response_tokens=128", "cluster.colocate=true")
+
+
+@pytest.mark.parametrize("role, overrides, measured_gib", [
+    # scripts/bench_train.py, 8 x 1024 tokens (256 prompt), one H100, 2026-11-23/24
+    (trainer_usage, ("model=qwen2_5_0_5b", *BENCH), 20.96),
+    (trainer_usage, ("model=qwen2_5_0_5b", *BENCH, "train.gradient_checkpointing=true"), 13.86),
+    (trainer_usage, ("model=qwen2_5_0_5b", *BENCH, "train.compile=false"), 34.49),
+    (trainer_usage, ("model=qwen2_5_0_5b", *BENCH, "train=megatron"), 21.33),
+    (trainer_usage, ("model=qwen2_5_0_5b", *BENCH, "train=megatron", "train.compile=false"), 35.35),
+    (trainer_usage, ("model=qwen3_0_6b", *BENCH), 24.52),
+    (trainer_usage, ("model=qwen3_4b", *BENCH, "train.global_batch_samples=2", "train.micro_batch_samples=2",
+                     "train.gradient_checkpointing=true"), 75.51),
+    # scripts/bench_loop_gpu.sh colocated (the loop's trainer_gpu_peak_gb / engine_gpu_peak_gb), 2026-11-24
+    (trainer_usage, LOOP, 17.96),
+    (engine_usage, LOOP, 2.58),
+])
+def test_estimates_are_within_10_percent_of_the_h100_measurements(role, overrides, measured_gib):
+    assert _usage(role, *overrides) == pytest.approx(measured_gib, rel=0.10)
