@@ -23,8 +23,9 @@ heads / KV heads / head dim):
                         capacity the power of two above prompt + response (the embedded engine's slots); decode
                         logits and CUDA-graph outputs; SGLang takes rollout.sglang.mem_fraction_static of the GPU
     host                the reference policy (4 bytes / param of each rank's shard, pinned), colocated offload
-                        buffers (the trainer's masters + Adam state) and parked engine weights, ~0.6 GiB per process;
-                        on a CPU-only machine the trainer and engines themselves, in fp32
+                        buffers (the trainer's masters + Adam state) and parked engine weights, 0.3 GiB per torch
+                        process (0.6 with CUDA) and 0.6 GiB of Ray services; on a CPU-only machine the trainer and
+                        engines themselves, in fp32
 
 plus ``CUDA_RESERVE`` per GPU (context, cuBLAS workspaces, allocator slack). Calibrated against torch's peak
 allocation on an H100 (docs/benchmarks.md, "The memory plan against measurement").
@@ -41,8 +42,12 @@ from slime_hydra.options import Problem
 GiB = 2 ** 30
 CUDA_RESERVE = 1.5 * GiB
 """Per GPU beyond what torch allocates: the CUDA context (~0.5 GiB), cuBLAS/NCCL workspaces, allocator slack."""
-PROCESS_HOST = 0.6 * GiB
-"""Host RAM of one Python process with torch (the driver, a rank, an engine, the rollout manager)."""
+PROCESS_HOST = {False: 0.3 * GiB, True: 0.6 * GiB}
+"""Host RAM (PSS) of one Python process with torch, besides its model (the driver, a rank, an engine, the rollout
+manager): 0.29-0.34 GiB measured on the CPU machine; with CUDA (its libraries and context) assumed twice that."""
+RAY_SERVICES_HOST = 0.6 * GiB
+"""Host RAM (PSS) of Ray's per-node services (GCS, raylet, dashboard and its agents, monitors) and the router:
+0.58 GiB measured on the CPU machine (docs/benchmarks.md)."""
 LOGIT_BYTES = {True: 4, False: 20}
 """Bytes per computed logit in a training step: compiled (bf16 logits + grad) or eager (fp32 temporaries)."""
 
@@ -220,8 +225,8 @@ def plan_memory(cfg: SlimeConfig, d: Derived) -> MemoryPlan:
     ranks_per_node = min(d.train_gpus, d.gpus_per_node) if on_gpu else d.train_gpus
     engines_per_node = min(d.num_engines, d.gpus_per_node) if on_gpu else d.num_engines
     host = Usage("host")
-    processes = ranks_per_node + engines_per_node + 3  # + driver, rollout manager, router
-    host.parts["processes"] = processes * PROCESS_HOST
+    processes = ranks_per_node + engines_per_node + 2  # + the driver and the rollout manager
+    host.parts["processes"] = processes * PROCESS_HOST[on_gpu] + RAY_SERVICES_HOST
     if cfg.algo.needs_reference:
         host.parts["reference copies"] = ranks_per_node * shard_params * 4
     gpus: list[Usage] = []
