@@ -20,6 +20,26 @@ def test_a_9b_model_on_this_cpu_machine_is_refused_with_its_size_and_where_to_ru
     assert "cluster=<a GPU site" in problem.fix
 
 
+def test_the_first_command_with_a_gpu_site_plans_and_without_one_is_refused(tmp_path):
+    """`python launch.py model=glm4_9b algo=grpo`: refused here with the memory it needs, planned on 8 x H100."""
+    from tests.config.test_launch import launch
+
+    here = launch("model=glm4_9b", "algo=grpo", "model.path=/ckpt/glm4_9b", "cluster.mem_gb=24", cwd=tmp_path)
+    assert here.returncode == 2 and "[cluster.gpus_per_node, model]" in here.stderr and "GiB of host RAM" in here.stderr
+    planned = launch("model=glm4_9b", "algo=grpo", "cluster=slurm_8xh100", f"model.path={tmp_path}", "dry_run=true",
+                     cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    assert "per GPU (80 GiB): trainer rank" in planned.stdout and "dry run: config valid" in planned.stdout
+
+
+@pytest.mark.parametrize("model", ["qwen2_5_0_5b", "qwen3_0_6b", "qwen3_4b", "qwen2_5_7b", "qwen3_8b", "llama3_1_8b",
+                                   "glm4_9b"])
+def test_every_dense_model_plans_on_an_8xh100_node_with_its_defaults(model):
+    """conf/tuning/<model>.yaml sizes train.num_gpus (and the embedded engine's concurrency) so the defaults fit."""
+    cfg, d = load(f"model={model}", *H100)
+    assert plan_memory(cfg, d).gpu_peak <= 80 * GiB and d.total_gpus <= 8
+
+
 def test_a_9b_model_on_one_h100_is_refused_and_the_suggested_fix_plans():
     error = problems("model=glm4_9b", "algo=grpo", *H100, "train.num_gpus=1")
     (problem,) = error.problems
