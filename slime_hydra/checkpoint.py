@@ -9,8 +9,10 @@ Layout (``k`` = rollout steps completed)::
         loop.json         {"step": k, "next_rollout": ... | null}  (the engines' weight version after a resume is k)
     <run_dir>/checkpoints/latest     the name of the newest complete checkpoint
 
-``latest`` is written (atomically: temp file + rename) only after everything else, so a crash during a save
-leaves the previous checkpoint as the newest. In async mode the rollout already generating for the next step is
+``latest`` is written (atomically: temp file + rename) only after everything else is on disk (every file and
+folder fsynced), so a crash during a save leaves the previous checkpoint as the newest. When to save:
+``save_every_steps``, ``save_every_minutes`` since the last save, the end of the run, a signal; ``keep_checkpoints``
+newest are kept, older ones deleted once a newer one is complete (``prune``). In async mode the rollout already generating for the next step is
 finished and kept in ``loop.json`` (``next_rollout``), so no sample is lost or generated twice.
 
 ``resume``: ``auto`` continues from ``latest`` when it exists (else starts fresh), ``never`` always starts fresh,
@@ -19,6 +21,7 @@ anything else is a checkpoint directory to start from.
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,18 +34,55 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` and the directories themselves to disk (before ``latest`` points at it)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            _fsync_path(Path(folder) / name)
+        _fsync_path(Path(folder))
+
+
+def _replace_durably(tmp: Path, path: Path) -> None:
+    _fsync_path(tmp)
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
 def mark_latest(run_dir: Path, ckpt: Path) -> None:
-    """Point ``latest`` at ckpt (atomic rename)."""
+    """Point ``latest`` at ckpt (atomic rename, flushed to disk)."""
     pointer = Path(run_dir) / "checkpoints" / LATEST
     tmp = pointer.with_suffix(".tmp")
     tmp.write_text(ckpt.name + "\n")
-    os.replace(tmp, pointer)
+    _replace_durably(tmp, pointer)
 
 
 def write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    _replace_durably(tmp, path)
+
+
+def prune(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (never the one ``latest`` names); returns what was deleted.
+    keep=0 deletes nothing."""
+    folder = Path(run_dir) / "checkpoints"
+    pointer = folder / LATEST
+    if keep <= 0 or not pointer.exists():
+        return []
+    latest = pointer.read_text().strip()
+    steps = sorted(p for p in folder.glob("step_*") if p.is_dir())
+    old = [p for p in steps[:-keep] if p.name != latest]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
 
 
 def find_resume(resume: str, run_dir: Path) -> Optional[Path]:

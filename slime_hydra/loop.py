@@ -54,7 +54,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from slime_hydra import preempt
 from slime_hydra.buffer.sample import Sample
-from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, find_resume, mark_latest, write_json
+from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, find_resume, fsync_tree, mark_latest, prune, write_json
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.model.hf import load_tokenizer
@@ -65,6 +65,8 @@ from slime_hydra.tracking.tracker import Tracker
 from slime_hydra.train.objectives import ActorLoss, CriticLoss
 from slime_hydra.train.prepare import add_advantages, needs_old_logprobs, to_train_batch
 
+WEIGHTS_POLL_S = 0.5
+"""While the loop waits for a rollout: how often it asks whether the engines need the weights sent again."""
 
 def run(cfg: SlimeConfig, run_dir: Path) -> str:
     """Train with RL as configured; returns "done" or "preempted" (a checkpoint was written on a signal).
@@ -117,6 +119,7 @@ class Session:
             self.trainer.connect_rollout(d.weight_sync, self.manager, cfg.train.weight_sync_bucket_mb, str(run_dir),
                                          d.engine_dtype)
         self.step, self.next_rollout = 0, None
+        self.last_save = time.monotonic()  # save_every_minutes counts from the start, then from each save
         self.gpu_holder = "both"  # colocated on GPUs: who holds the GPU memory now (see hand_gpus_to)
         self.trainer_gpu_bytes: dict[str, float] = {}
         if self.resume_from is not None:
@@ -195,8 +198,7 @@ class Session:
             while self.step < cfg.num_steps:
                 step, timer = self.step, StepTimer()
                 self.hand_gpus_to("engines", timer)                          # colocated GPUs: memory moves
-                with timer.phase("rollout"):
-                    samples, metrics = self.rollout_phase(step)              # generate -> score -> filter
+                samples, metrics = self.rollout_phase(step, timer)          # generate -> score -> filter
                 if self.trainer is not None:
                     self.hand_gpus_to("trainer", timer)
                     metrics.update(self.train_phase(samples, timer))        # old/ref logprobs -> advantages -> train
@@ -246,22 +248,44 @@ class Session:
         self.gpu_holder = holder
         self.trainer_gpu_bytes[holder] = max(held)
 
-    def rollout_phase(self, step: int) -> tuple[list[Sample], dict]:
-        """This step's samples and rollout metrics; in async mode also starts the next rollout."""
+    def rollout_phase(self, step: int, timer: StepTimer) -> tuple[list[Sample], dict]:
+        """This step's samples and rollout metrics (timed as ``rollout``); in async mode also starts the next
+        rollout. While it waits, a rollout that cannot go on because every engine restarted and lost the weights
+        (a broadcast or CUDA IPC sync cannot be replayed by the rollout side) gets them again (``resend_weights``)."""
         if self.debug == "train_only":
-            return load_saved_rollout(Path(self.cfg.debug.rollout_path), step), {}
+            with timer.phase("rollout"):
+                return load_saved_rollout(Path(self.cfg.debug.rollout_path), step), {}
         future = self.next_rollout if self.next_rollout is not None else self.manager.generate_batch.remote()
         self.next_rollout = None
-        result = ray.get(future)
+        resends = 0
+        while True:
+            with timer.phase("rollout"):
+                ready, _ = ray.wait([future], timeout=WEIGHTS_POLL_S)
+            if ready:
+                break
+            if self.trainer is not None and ray.get(self.manager.needs_weights.remote()):
+                self.resend_weights(step, timer)
+                resends += 1
+        with timer.phase("rollout"):
+            result = ray.get(future)
         if self.cfg.mode == "async" and step + 1 < self.cfg.num_steps:
             self.next_rollout = self.manager.generate_batch.remote()
         if self.cfg.debug.save_rollouts:
             save_rollout(self.run_dir / "rollouts", step, result["samples"])
-        metrics = dict(result["metrics"])
+        metrics = dict(result["metrics"], **{"rollout/weight_resends": float(resends)})
         samples = [Sample.from_dict(s) for s in result["samples"]]
         # the trainer's policy is version `step` (rollout steps trained); how far behind the oldest sample is
         metrics["rollout/weight_version_lag"] = float(step - min(s.weight_version for s in samples))
         return samples, metrics
+
+    def resend_weights(self, step: int, timer: StepTimer) -> None:
+        """Send the current policy (version ``step``) again: restarted engines are waiting for it."""
+        print(f"loop: step {step}: the engines restarted without the current weights; sending version {step} again",
+              flush=True)
+        self.hand_gpus_to("both", timer)
+        with timer.phase("weight_sync"):
+            self.trainer.push_weights(step)
+        self.hand_gpus_to("engines", timer)
 
     def train_phase(self, samples: list[Sample], timer: StepTimer) -> dict:
         """Old/ref logprobs and values, advantages, then the optimizer steps of one rollout batch."""
@@ -308,8 +332,9 @@ class Session:
         return step % every == 0 or step == self.cfg.num_steps
 
     def _save_due(self) -> bool:
-        every = self.cfg.save_every_steps
-        return self.step == self.cfg.num_steps or (every > 0 and self.step % every == 0)
+        every, minutes = self.cfg.save_every_steps, self.cfg.save_every_minutes
+        return (self.step == self.cfg.num_steps or (every > 0 and self.step % every == 0)
+                or (minutes > 0 and time.monotonic() - self.last_save >= 60 * minutes))
 
     # ---- checkpoint ----------------------------------------------------------------------------------------------
     def save(self) -> None:
@@ -329,7 +354,10 @@ class Session:
                 self.next_rollout = ray.put(next_rollout)
             write_json(ckpt / "rollout.json", ray.get(self.manager.state_dict.remote()))
         write_json(ckpt / "loop.json", {"step": self.step, "next_rollout": next_rollout})
+        fsync_tree(ckpt)
         mark_latest(self.run_dir, ckpt)
+        self.last_save = time.monotonic()
+        prune(self.run_dir, self.cfg.keep_checkpoints)
 
     def load(self, ckpt: Path) -> None:
         meta = json.loads((ckpt / "loop.json").read_text())

@@ -26,7 +26,6 @@
 """
 
 import collections
-import ctypes
 import os
 import shutil
 import signal
@@ -37,6 +36,7 @@ import time
 from typing import Optional, Sequence
 
 from slime_hydra.cluster.config import ClusterConfig
+from slime_hydra.lifetime import die_with_parent
 from slime_hydra.net import free_port
 
 CLEARED_ENV_PREFIXES = ("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "PMI_", "PMIX_", "OMPI_", "SUBMITIT_")
@@ -93,14 +93,6 @@ def _reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
         return False
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL this child when the job process dies (Linux PR_SET_PDEATHSIG = 1)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except OSError:
-        pass
-
-
 class RayCluster:
     """One Ray node per task of the current submitit job (see the module docstring)."""
 
@@ -151,7 +143,7 @@ class RayCluster:
             args += [f"--address={self.address}"]
         print(f"rank {self.rank}: {' '.join(args[3:])}", flush=True)
         self.proc = subprocess.Popen(args, env=ray_process_env(), start_new_session=True, stdin=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                     preexec_fn=die_with_parent)
 
     def _wait_for_head(self) -> None:
         deadline = time.monotonic() + self.cluster.ray_wait_nodes_s

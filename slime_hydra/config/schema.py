@@ -63,7 +63,13 @@ class SlimeConfig:
     sync_every_steps: int = positive(1)
     """Push trainer weights to the engines every N rollout steps."""
     save_every_steps: int = non_negative(0)
-    """Checkpoint every N rollout steps (and on SIGTERM/SIGUSR1); 0 saves only at the end and on signals."""
+    """Checkpoint every N rollout steps; 0: by time only (save_every_minutes). Always at the end and on
+    SIGTERM/SIGUSR1/SIGUSR2."""
+    save_every_minutes: float = non_negative(30.0)
+    """Also checkpoint after a step that ends this many minutes after the last checkpoint (or the start), so a crash
+    loses at most about this much; 0 disables."""
+    keep_checkpoints: int = non_negative(3)
+    """Keep the newest N checkpoints of the run and delete older ones once a newer one is complete; 0 keeps all."""
     resume: str = "auto"
     """auto (continue from the newest checkpoint in the run dir, if any) | never | a checkpoint directory."""
     output_dir: str = "runs"

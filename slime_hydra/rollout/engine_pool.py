@@ -11,7 +11,8 @@ restarted on the same port (``EngineActor.restart``: it comes back with the init
 weights by the relay (``replay``), and only then added back to the router. When the newest weights cannot be
 replayed from here (a broadcast or CUDA IPC sync: the tensors never passed through this process), the restarted
 engine stays out of the router until the next sync reaches it (``register_awaiting``), and a broadcast group that
-lost a member must be formed again (``group_stale``).
+lost a member must be formed again (``group_stale``). When that leaves no engine in service (``needs_weights``),
+requests wait for it and the loop has the trainer send the current weights again (loop.py ``resend_weights``).
 
 Syncs and replays exclude each other through ``weights_lock``: a restart replays only while no sync is running,
 so a restarted engine always ends on the newest version.
@@ -29,6 +30,8 @@ HEALTH_TIMEOUT_S = 5.0
 """Seconds one health answer may take."""
 REGISTER_TIMEOUT_S = 120.0
 """Seconds the router may take to list a (re-)registered engine healthy."""
+AWAIT_POLL_S = 0.1
+"""How often a request waiting for an engine looks again while restarted engines wait for weights."""
 
 
 class EnginePool:
@@ -70,6 +73,10 @@ class EnginePool:
         return self.urls
 
     # ---- calling the engines -------------------------------------------------------------------------------------
+    def weight_receivers(self) -> list[int]:
+        """The engines a weight sync reaches: those in service and restarted ones waiting for weights."""
+        return [i for i in range(len(self.clients)) if i not in self.down or i in self.awaiting_weights]
+
     async def on_engines(self, method: str, *args, **kwargs) -> list:
         """Call ``method`` of every engine in service (engines being restarted are skipped)."""
         return list(await asyncio.gather(*[getattr(self.clients[i], method)(*args, **kwargs)
@@ -77,8 +84,16 @@ class EnginePool:
 
     async def on_weight_receivers(self, method: str, *args, **kwargs) -> list:
         """Call every engine a weight sync reaches: those in service and restarted ones waiting for weights."""
-        targets = [i for i in range(len(self.clients)) if i not in self.down or i in self.awaiting_weights]
-        return list(await asyncio.gather(*[getattr(self.clients[i], method)(*args, **kwargs) for i in targets]))
+        return list(await asyncio.gather(*[getattr(self.clients[i], method)(*args, **kwargs)
+                                           for i in self.weight_receivers()]))
+
+    async def gpu_peaks(self) -> list[int]:
+        """The most GPU memory each reachable engine in service ever allocated (bytes; none on CPU). An engine that
+        died since the last check is skipped: this is a report, the health checks deal with it."""
+        infos = await asyncio.gather(*[self.clients[i].server_info() for i in range(len(self.clients))
+                                       if i not in self.down], return_exceptions=True)
+        return [info["max_memory_allocated_bytes"] for info in infos
+                if isinstance(info, dict) and "max_memory_allocated_bytes" in info]
 
     async def abort_all(self, unreachable: Callable[[BaseException], bool]) -> None:
         """/abort_request abort_all on every engine in service; an engine that died meanwhile (``unreachable``
@@ -91,10 +106,11 @@ class EnginePool:
                 raise error
 
     async def leave_weight_group(self, group_name: str) -> None:
-        """The engines leave the broadcast group (before a new one forms; a restarted engine has none)."""
-        for client in self.clients:
+        """The receivers leave the broadcast group (before a new one forms; a restarted engine has none, and one
+        out of service is not asked)."""
+        for i in self.weight_receivers():
             try:
-                await client.destroy_weights_update_group(group_name)
+                await self.clients[i].destroy_weights_update_group(group_name)
             except EngineError:
                 pass
         self.group_stale = False
@@ -135,6 +151,7 @@ class EnginePool:
         """Mark engine i down and remove it from the router, so no new request reaches it."""
         url = self.urls[i]
         self.down[i] = cause
+        self.group_stale = True  # the broadcast group (if any) lost a member
         self._unhealthy_checks[i] = 0
         self.restarts_total += 1
         print(f"rollout: engine {i} ({url}) is down: {cause}; restarting it (log engine_{i}.log)", flush=True)
@@ -174,16 +191,26 @@ class EnginePool:
         """After a sync reached them: restarted engines that waited for weights go back into the router."""
         for i in sorted(self.awaiting_weights):
             await self._register(i)
+            print(f"rollout: engine {i} ({self.urls[i]}) is back (a weight sync reached it)", flush=True)
+
+    def needs_weights(self) -> bool:
+        """Every engine is out of service and at least one restarted engine waits for weights that only the trainer
+        can send (broadcast / CUDA IPC syncs): generation cannot go on until the loop has them sent again."""
+        return bool(self.awaiting_weights) and len(self.down) == len(self.engines)
 
     async def await_an_engine(self, timeout_s: float = 300.0) -> None:
-        """When every engine is down, wait (up to ``timeout_s``) until a restart has brought one back."""
+        """When every engine is down, wait (up to ``timeout_s``) until a restart, or a weight sync that reaches an
+        engine waiting for weights, has brought one back."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while len(self.down) == len(self.engines) and loop.time() < deadline:
             running = [t for t in self._restarts.values() if not t.done()]
-            if not running:
+            if running:
+                await asyncio.wait(running, timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+            elif self.awaiting_weights:
+                await asyncio.sleep(AWAIT_POLL_S)
+            else:
                 return
-            await asyncio.wait(running, timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED)
 
     async def settled(self, timeout_s: float = 300.0) -> None:
         """Wait until no restart is in progress."""

@@ -196,8 +196,7 @@ class RolloutManager:
         metrics.update({f"rollout/{k}": float(v - self._reported.get(k, 0)) for k, v in counts.items()})
         self._reported = counts
         metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(time.monotonic() - start, 1e-9)
-        peaks = [info["max_memory_allocated_bytes"] for info in await self.pool.on_engines("server_info")
-                 if "max_memory_allocated_bytes" in info]
+        peaks = await self.pool.gpu_peaks()
         if peaks:  # GPU engines: the most they ever allocated (the memory plan's engine estimate)
             metrics["rollout/engine_gpu_peak_gb"] = max(peaks) / 2**30
         return {"samples": [s.to_dict() for s in samples], "metrics": metrics}
@@ -237,8 +236,8 @@ class RolloutManager:
         return metrics
 
     # ---- weights (forwarded to the relay; weight_relay.py) --------------------------------------------------------
-    def num_engines(self) -> int:
-        return len(self.pool.engines)
+    def weight_group_size(self) -> int:
+        return self.weights.group_size()
 
     async def begin_weight_update(self) -> None:
         await self.weights.begin()
@@ -264,6 +263,10 @@ class RolloutManager:
 
     async def abort_weight_update(self) -> None:
         await self.weights.abort()
+
+    def needs_weights(self) -> bool:
+        """No engine can generate until the trainer sends the current weights again (EnginePool.needs_weights)."""
+        return self.pool.needs_weights()
 
     def weight_group_stale(self) -> bool:
         return self.pool.group_stale

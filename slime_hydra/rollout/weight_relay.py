@@ -59,9 +59,11 @@ class WeightRelay:
 
     # ---- one sync ------------------------------------------------------------------------------------------------
     async def begin(self) -> None:
-        """Hold generation in place (async mode: a rollout may be running) so updates apply at once."""
+        """Find engines that died since the last check (a sync must not wait on them), then hold generation in
+        place (async mode: a rollout may be running) so updates apply at once."""
         await self.pool.weights_lock.acquire()
         self._holds_lock = True
+        await self.pool.check()  # a dead engine is taken out (and restarted); the sync goes to the others
         await self.pool.on_engines("pause_generation", mode="in_place")
         self._paused = True
 
@@ -69,14 +71,21 @@ class WeightRelay:
         await self.pool.on_weight_receivers("update_weights_from_disk", path, weight_version=str(version))
         self._incoming = WeightSource("disk", version, str(path))
 
+    def group_size(self) -> int:
+        """1 (the trainer) + the engines the next broadcast group will hold (the sync's receivers; the set cannot
+        change while the sync holds the lock: restarts wait for it)."""
+        return 1 + len(self.pool.weight_receivers())
+
     async def join_group(self, master_address: str, master_port: int, backend: str) -> None:
-        """Join every engine to the broadcast group whose rank 0 is the trainer (engine i is rank 1 + i)."""
-        world = 1 + len(self.pool.clients)
-        if self.pool.group_stale:  # an engine restarted: the survivors leave the old group first
+        """Join the sync's receivers to the broadcast group whose rank 0 is the trainer (the k-th receiver is rank
+        1 + k). An engine out of service is left out; the group is formed again when it is back (group_stale)."""
+        members = self.pool.weight_receivers()
+        if self.pool.group_stale:  # an engine died or restarted: the survivors leave the old group first
             await self.pool.leave_weight_group(WEIGHT_GROUP)
         await asyncio.gather(*[
-            c.init_weights_update_group(master_address, master_port, 1 + i, world, WEIGHT_GROUP, backend=backend)
-            for i, c in enumerate(self.pool.clients)])
+            self.pool.clients[i].init_weights_update_group(master_address, master_port, 1 + k, 1 + len(members),
+                                                           WEIGHT_GROUP, backend=backend)
+            for k, i in enumerate(members)])
 
     async def from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                version: Optional[int]) -> None:

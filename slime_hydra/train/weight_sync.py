@@ -121,7 +121,7 @@ class WeightPusher:
         host = ray.util.get_node_ip_address()
         port = free_port(host)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        engines = ray.get(self.manager.num_engines.remote())
+        world = ray.get(self.manager.weight_group_size.remote())
         joined = self.manager.init_weight_sync.remote(host, port, backend)
-        self.group = init_weight_update_group(host, port, 0, 1 + engines, backend=backend)
+        self.group = init_weight_update_group(host, port, 0, world, backend=backend)
         ray.get(joined)

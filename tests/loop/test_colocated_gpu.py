@@ -49,7 +49,7 @@ def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype):
         for step in range(2):
             timer = StepTimer()
             session.hand_gpus_to("engines", timer)             # trainer offloaded, engine weights resumed
-            samples, _ = session.rollout_phase(step)
+            samples, _ = session.rollout_phase(step, timer)
             session.hand_gpus_to("trainer", timer)             # engine weights parked, trainer onloaded
             trained_before = trainer_logprobs(session)
             metrics = session.train_phase(samples, timer)      # the training forward vs the sampling engine

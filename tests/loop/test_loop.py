@@ -46,7 +46,8 @@ def train_rows(run: Path) -> list[dict]:
 
 def test_default_loop_runs_syncs_and_checkpoints(tmp_path):
     out = launch(f"output_dir={tmp_path}", "run_name=r", "num_steps=3", "rollout.eval_every_steps=3",
-                 "algo.kl_loss_coef=0.001", *SHAPE)  # the tiny tuning drops the KL term; this test checks it
+                 "algo.kl_loss_coef=0.001",  # the tiny tuning drops the KL term; this test checks it
+                 "save_every_minutes=1e-6", "keep_checkpoints=2", *SHAPE)  # a save after every step, two kept
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "r"
     rows = train_rows(run)
@@ -63,6 +64,8 @@ def test_default_loop_runs_syncs_and_checkpoints(tmp_path):
     assert [m["step"] for m in evals] == [0, 2]                           # before training and at the end
     assert 0 <= evals[-1]["eval/addition/accuracy"] <= 1 and "eval/addition/pass@1" in evals[-1]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000002", "step_000003"]
+    assert all(r["perf/checkpoint_time"] > 0 for r in rows)
     assert "done" in out.stdout
     assert json.loads((run / "run.json").read_text())["outcome"] == "done"
 

@@ -63,7 +63,7 @@ def test_engine_holds_the_trainer_weights_after_sync(ray_local, tmp_path, overri
         before, version = engine_logprobs(url)
         assert version == "0"
         assert max(abs(a - b) for a, b in zip(before, trainer_logprobs(session))) < 1e-5
-        samples, _ = session.rollout_phase(0)
+        samples, _ = session.rollout_phase(0, StepTimer())
         session.train_phase(samples, StepTimer())
         trained = trainer_logprobs(session)
         assert max(abs(a - b) for a, b in zip(before, trained)) > 1e-4     # the step changed the policy

@@ -207,12 +207,13 @@ def test_broadcast_group_is_formed_again_after_a_restart(tmp_path):
 
         os.kill(ray.get(engines[1].pid.remote()), signal.SIGKILL)
         deadline = time.monotonic() + 120
-        while not ray.get(manager.weight_group_stale.remote()):  # restarted on the initial weights, out of service
+        # restarted on the initial weights, out of service until a sync reaches it
+        while "waits for the next weight sync" not in (ray.get(manager.engine_status.remote())[1]["cause"] or ""):
             assert time.monotonic() < deadline, ray.get(manager.engine_status.remote())
             time.sleep(0.2)
         status = ray.get(manager.engine_status.remote())
         assert [(e["up"], e["in_router"]) for e in status] == [(True, True), (False, False)]
-        assert "waits for the next weight sync" in status[1]["cause"]
+        assert ray.get(manager.weight_group_stale.remote())  # the group lost a member
 
         third = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 2))
         _broadcast_sync(manager, third, 2, world_size=3)  # weights neither engine has had

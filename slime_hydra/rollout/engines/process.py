@@ -5,7 +5,8 @@
 (``GET /health_generate``), log file (first line: the command) and stop.
 
 Each child runs in its own session, so ``stop`` signals exactly the process group this object started (SIGTERM, then
-SIGKILL after a grace period) and nothing else on the machine.
+SIGKILL after a grace period) and nothing else on the machine, and dies with the process that started it
+(``lifetime.tied_to_parent``): a killed engine actor or rollout manager leaves no server behind.
 """
 
 import os
@@ -20,6 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
+from slime_hydra.lifetime import tied_to_parent
 from slime_hydra.net import free_port
 
 
@@ -48,8 +50,8 @@ class ManagedProcess:
     def start(self) -> "ManagedProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=self.env, start_new_session=True)
+            self.popen = subprocess.Popen(tied_to_parent(self.argv), stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
         return self
 
     @property

@@ -1,0 +1,51 @@
+"""lifetime.tied_to_parent: a server started through it dies when the process that started it is killed."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+PARENT = """
+import sys, time
+from slime_hydra.rollout.engines.process import ManagedProcess
+child = ManagedProcess("sleeper", ["sleep", "1000"], log_path=sys.argv[1]).start()
+print(child.pid, flush=True)
+time.sleep(1000)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_managed_process_dies_with_the_process_that_started_it(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "sleeper.log")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        child = int(parent.stdout.readline())
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":  # the launcher exec's it
+            assert time.monotonic() < deadline, "the launcher did not exec the command in its own process"
+            time.sleep(0.05)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while not _gone(child):
+            assert time.monotonic() < deadline, "the server outlived the process that started it"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+
+
+def test_the_launcher_refuses_to_start_when_its_parent_is_already_gone():
+    out = subprocess.run([sys.executable, "-m", "slime_hydra.lifetime", "1", "true"], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 1 and "parent 1 is gone" in out.stderr
