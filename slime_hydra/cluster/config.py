@@ -5,9 +5,9 @@ The node count is never typed: it is derived from the GPUs the roles need and ``
 """
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
-from slime_hydra.options import choice, non_negative, positive, within
+from slime_hydra.options import Problem, choice, non_negative, positive, within
 
 SCHEDULERS = ("local", "slurm")
 """cluster.scheduler: where launch.py runs the job (launch/__init__.py)."""
@@ -51,3 +51,12 @@ class ClusterConfig:
     """Seconds the driver waits for all nodes to join Ray before failing."""
     job_body: str = "slime_hydra.loop.run"
     """slurm: dotted path of the function rank 0 runs as the Ray driver, body(cfg, run_dir) -> "done" | "preempted"."""
+
+    def check(self, prefix: str) -> Iterator[Problem]:
+        """What the field domains cannot say (options.py)."""
+        for k, line in enumerate(self.sbatch_extra):
+            if "\n" in line or "\r" in line:
+                yield Problem((f"{prefix}sbatch_extra",),
+                              f"entry {k} ({line!r}) spans lines: each entry becomes one '#SBATCH' line, and a line "
+                              "break would start another directive or a shell command",
+                              f"one option per entry, e.g. {prefix}sbatch_extra=['--reservation=rl','--comment=x']")

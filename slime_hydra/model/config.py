@@ -6,6 +6,7 @@ Every model option under ``conf/model/`` carries its real architecture numbers (
 these numbers before anything starts (a mismatch means the wrong option was chosen).
 """
 
+import re
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -67,6 +68,9 @@ class ModelConfig:
 
     def check(self, prefix: str) -> Iterator[Problem]:
         """What the field domains cannot say (options.py)."""
+        if not re.fullmatch(r"[\w.+=,@-]+", self.name) or set(self.name) == {"."}:
+            yield Problem((f"{prefix}name",), f"{self.name!r} is not a plain name (letters, digits and . _ - + = , @): "
+                          "it names the default run directory", f"e.g. {prefix}name=qwen3_8b_sft")
         if self.path is None and self.name != "tiny":
             yield Problem((f"{prefix}path",), f"model={self.name} needs its HF checkpoint directory",
                           f"set {prefix}path=/path/to/{self.name} (only model=tiny is built offline)")

@@ -24,6 +24,11 @@ sample carries across engines are those of a recycled partial rollout, which is 
 means. After the last retry the rollout stops with an error that names the engines that were down and why.
 Counted in ``rollout/engine_restarts`` and ``rollout/generate_retries``.
 
+Failures that are not the engines'. A generate function that raises on a sample marks it FAILED with the error
+text and the buffer drops its group: counted in ``rollout/failed_samples``, the first error of the batch printed;
+a rollout round in which every group failed stops the run (``RolloutFailure``, with the first error). A reward
+call past ``reward.timeout_s`` scores 0, counted in ``rollout/reward_timeouts``.
+
 Evaluation (``evaluate``): every ``data.eval`` set with its own samples per prompt, temperature and response
 budget; metrics ``eval/<name>/accuracy`` (fraction of samples whose reward says correct: the dict's ``acc`` when
 there is one, else scalar reward >= 1), ``eval/<name>/reward``, ``eval/<name>/response_len`` and, for k in
@@ -69,6 +74,10 @@ class EngineFailure(RuntimeError):
     """Generation could not reach any engine after every retry (the message names the engines that were down)."""
 
 
+class RolloutFailure(RuntimeError):
+    """Every group of a rollout round failed (the message carries the first error): the run cannot make progress."""
+
+
 @dataclass
 class EvalSet:
     name: str
@@ -101,6 +110,8 @@ class RolloutManager:
         self.max_context = cfg.model.max_position_embeddings
         self.generate_retries = 0
         """/generate calls retried since start."""
+        self.failed_samples = 0
+        """Samples whose generate function raised (their groups are dropped) since start."""
         self._reported: dict[str, int] = {}
 
     def _eval_set(self, e) -> EvalSet:
@@ -170,14 +181,19 @@ class RolloutManager:
         start = time.monotonic()
         batch_prompts = self.rollout.batch_prompts
         params = sampling_params(self.rollout)
-        aborted = 0
+        aborted, errors = 0, []
         while (req := self.buffer.request(batch_prompts, self.rollout.over_sampling_batch_prompts)) is not None:
             groups = req.resume + self.buffer.new_groups(self.source.take(req.new_prompts))
             abort = asyncio.Event()
             tasks = [asyncio.ensure_future(self._generate_group(g, params, abort)) for g in groups]
+            failed_groups = 0
             try:
                 for next_done in asyncio.as_completed(tasks):
-                    self.buffer.add_group(await next_done)
+                    group = await next_done
+                    failed = [s.metadata.get("error", "?") for s in group if s.status is Status.FAILED]
+                    errors += failed
+                    failed_groups += bool(failed)
+                    self.buffer.add_group(group)
                     if self.buffer.enough(batch_prompts) and not abort.is_set() and not all(t.done() for t in tasks):
                         aborted += 1
                         abort.set()
@@ -186,13 +202,21 @@ class RolloutManager:
                 for t in tasks:
                     t.cancel()
                 raise
+            if groups and failed_groups == len(groups):
+                raise RolloutFailure(f"every one of the {len(groups)} groups of a rollout round failed "
+                                     f"({len(errors)} samples); the first error: {errors[0]}")
+        if errors:
+            self.failed_samples += len(errors)
+            print(f"rollout: {len(errors)} samples failed in this batch (their groups were dropped); the first "
+                  f"error: {errors[0]}", flush=True)
         batch = self.buffer.take_batch(batch_prompts)
         samples = batch.samples
         metrics = self._rollout_metrics(samples)
         metrics.update({f"rollout/buffer/{k}": float(v) for k, v in batch.counts.items()})
         metrics["rollout/aborts"] = float(aborted)
         # what happened since the previous batch's report (a restart may begin or end between batches)
-        counts = {"engine_restarts": self.pool.restarts_total, "generate_retries": self.generate_retries}
+        counts = {"engine_restarts": self.pool.restarts_total, "generate_retries": self.generate_retries,
+                  "failed_samples": self.failed_samples, "reward_timeouts": self.reward.timeouts}
         metrics.update({f"rollout/{k}": float(v - self._reported.get(k, 0)) for k, v in counts.items()})
         self._reported = counts
         metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(time.monotonic() - start, 1e-9)

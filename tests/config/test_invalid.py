@@ -129,6 +129,9 @@ INVALID = [
     (("algo.dynamic_filter=slime_hydra.buffer.filters.filter_name", "rollout.n_samples_per_prompt=8",
       "algo.dynamic_filter=os.getcwd"), "algo.dynamic_filter", "cannot take 1 positional argument"),
     (("cluster=slurm", "cluster.job_body=slime_hydra.nothing.run"), "cluster.job_body", "cannot be imported"),
+    # what would escape its place: an sbatch line break, a run directory outside output_dir
+    (("cluster=slurm", "cluster.sbatch_extra=['--x=1\n#SBATCH --y']"), "cluster.sbatch_extra", "spans lines"),
+    (("model.name=../../etc", "model.path=/tmp"), "model.name", "not a plain name"),
     # what a backend would refuse at start-up
     (("model=qwen3_30b_a3b", "model.path=/ckpt", "train=megatron"), "train.backend", "not built"),
     (("model=deepseek_v3", "model.path=/ckpt", "train=megatron"), "model.family", "not built"),
