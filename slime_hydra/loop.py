@@ -48,6 +48,7 @@ import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -55,6 +56,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from slime_hydra import preempt
 from slime_hydra.buffer.sample import Sample
 from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, find_resume, fsync_tree, mark_latest, prune, write_json
+from slime_hydra.cluster.local_ray import LocalRay
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.model.hf import load_tokenizer
@@ -80,7 +82,7 @@ def run(cfg: SlimeConfig, run_dir: Path) -> str:
     outcome, error = "failed", None
     try:
         model_path = resolve_model_path(cfg.model, cfg.data, cfg.seed)
-        started_ray = _init_ray(cfg)
+        local_ray = _init_ray(cfg, run_dir)
         try:
             preempt.install()  # after ray.init, which installs its own SIGTERM handler in the driver
             session = Session(cfg, derive(cfg), run_dir, model_path)
@@ -90,8 +92,9 @@ def run(cfg: SlimeConfig, run_dir: Path) -> str:
             finally:
                 session.close()
         finally:
-            if started_ray:  # also when the session failed to start: its actors go with the local cluster
+            if local_ray is not None:  # also when the session failed to start: its actors go with the node
                 ray.shutdown()
+                local_ray.stop()
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"[:2000]
         raise
@@ -390,20 +393,27 @@ class Session:
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------------
-def _init_ray(cfg: SlimeConfig) -> bool:
-    """Join the Ray cluster in RAY_ADDRESS (a SLURM job), or start a local one; True when started here."""
+def _init_ray(cfg: SlimeConfig, run_dir: Path) -> Optional[LocalRay]:
+    """Join the Ray cluster in RAY_ADDRESS (a SLURM job), or start this machine's node in a session of its own
+    (cluster/local_ray.py) and connect to it; returns that node (to stop at the end), None when joined."""
     if ray.is_initialized():
-        return False
+        return None
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        return False
+        return None
     d = derive(cfg)
     cpus = max(os.cpu_count() or 1, d.total_gpus if cfg.cluster.gpus_per_node == 0 else 1)
-    ray.init(num_cpus=cfg.cluster.cpus_per_node or cpus, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
-    return True
+    node = LocalRay(cfg.cluster.cpus_per_node or cpus, run_dir / "logs" / "ray_start.log")
+    address = node.start()
+    try:
+        ray.init(address=address, log_to_driver=True,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
+    except BaseException:
+        node.stop()
+        raise
+    return node
 
 
 def save_rollout(out_dir: Path, step: int, samples: list[dict]) -> None:

@@ -1,4 +1,4 @@
-"""Small network helpers every process uses: a free port, and the wait before a retry.
+"""Small network helpers every process uses: a free port, whether a port answers, and the wait before a retry.
 
 Written here rather than taken from a library: ``free_port`` is the socket idiom itself, and the retry loops that
 use ``backoff_s`` do work between attempts (health checks, restoring a sample) that a retry decorator such as
@@ -14,6 +14,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def answers(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts TCP connections on host:port now."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def backoff_s(attempt: int, first_s: float, cap_s: float = 30.0, jitter: float = 0.25) -> float:

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 from slime_hydra.cluster.config import ClusterConfig
 from slime_hydra.lifetime import die_with_parent
-from slime_hydra.net import free_port
+from slime_hydra.net import answers, free_port
 
 CLEARED_ENV_PREFIXES = ("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "PMI_", "PMIX_", "OMPI_", "SUBMITIT_")
 """Variables removed from the environment of the Ray processes (and so of every actor)."""
@@ -83,14 +83,6 @@ def missing_nodes(expected_hosts: Sequence[str], joined_hosts: Sequence[str]) ->
     short = lambda h: h.split(".")[0]  # noqa: E731 - SLURM node names vs gethostname() may differ by the domain
     missing = collections.Counter(map(short, expected_hosts)) - collections.Counter(map(short, joined_hosts))
     return sorted(missing.elements()) or [f"{len(expected_hosts) - len(joined_hosts)} unnamed node(s)"]
-
-
-def _reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 class RayCluster:
@@ -147,7 +139,7 @@ class RayCluster:
 
     def _wait_for_head(self) -> None:
         deadline = time.monotonic() + self.cluster.ray_wait_nodes_s
-        while not _reachable(self.head_ip, self.port):
+        while not answers(self.head_ip, self.port):
             if time.monotonic() > deadline:
                 raise RayBootstrapError(f"rank {self.rank}: the Ray head {self.address} ({self.head_host}) did not "
                                         f"answer within cluster.ray_wait_nodes_s={self.cluster.ray_wait_nodes_s} s")
@@ -159,7 +151,7 @@ class RayCluster:
 
         expected = self.expected_hosts()
         deadline = time.monotonic() + self.cluster.ray_wait_nodes_s
-        while not _reachable(self.head_ip, self.port):
+        while not answers(self.head_ip, self.port):
             self._check_alive()
             if time.monotonic() > deadline:
                 raise RayBootstrapError(f"the Ray head did not open {self.address} within "
@@ -197,7 +189,7 @@ class RayCluster:
             if self.proc is not None and self.proc.poll() is not None:
                 print(f"rank {self.rank}: ray start exited ({self.proc.returncode})", flush=True)
                 return
-            missed = 0 if _reachable(self.head_ip, self.port) else missed + 1
+            missed = 0 if answers(self.head_ip, self.port) else missed + 1
             time.sleep(poll_s)
         print(f"rank {self.rank}: the Ray head is gone; stopping this node", flush=True)
 

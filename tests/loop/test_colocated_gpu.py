@@ -41,7 +41,7 @@ def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype):
         "rollout.n_samples_per_prompt=8", "train.micro_batch_samples=64", "train.lr=1e-3", "reward.name=random",
         f"output_dir={tmp_path}", "run_name=r", "rollout.eval_every_steps=0"]))
     mean_gate, max_gate = GATES[dtype]
-    _init_ray(cfg)
+    node = _init_ray(cfg, tmp_path)
     session = Session(cfg, derive(cfg), tmp_path / "r", resolve_model_path(cfg.model, cfg.data, cfg.seed))
     try:
         url = session.engine_urls[0]
@@ -68,3 +68,5 @@ def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype):
     finally:
         session.close()
         ray.shutdown()
+        if node is not None:
+            node.stop()

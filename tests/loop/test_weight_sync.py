@@ -56,7 +56,7 @@ def test_engine_holds_the_trainer_weights_after_sync(ray_local, tmp_path, overri
     cfg = to_config(compose(["model.sft_warm_start_steps=0", "rollout.batch_prompts=4",
                              "rollout.n_samples_per_prompt=4", "train.micro_batch_samples=16", f"output_dir={tmp_path}", "run_name=r",
                              "train.lr=1e-3", "reward.name=random", *overrides]))  # random rewards: nonzero advantages
-    _init_ray(cfg)
+    node = _init_ray(cfg, tmp_path)
     session = Session(cfg, derive(cfg), Path(tmp_path) / "r", resolve_model_path(cfg.model, cfg.data, cfg.seed))
     try:
         url = session.engine_urls[0]
@@ -74,3 +74,5 @@ def test_engine_holds_the_trainer_weights_after_sync(ray_local, tmp_path, overri
     finally:
         session.close()
         ray.shutdown()
+        if node is not None:
+            node.stop()
