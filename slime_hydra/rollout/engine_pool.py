@@ -21,7 +21,7 @@ so a restarted engine always ends on the newest version.
 import asyncio
 from typing import Awaitable, Callable, Optional
 
-from slime_hydra.rollout.client import EngineError, SGLangClient
+from slime_hydra.rollout.client import EngineError, EngineUnavailable, SGLangClient
 from slime_hydra.rollout.router import Router, RouterError
 
 UNHEALTHY_CHECKS = 3
@@ -81,6 +81,18 @@ class EnginePool:
         """Call ``method`` of every engine in service (engines being restarted are skipped)."""
         return list(await asyncio.gather(*[getattr(self.clients[i], method)(*args, **kwargs)
                                            for i in range(len(self.clients)) if i not in self.down]))
+
+    async def on_engines_or_take_out(self, method: str, *args, **kwargs) -> None:
+        """Call ``method`` of every engine in service; an engine that cannot be reached (it died after the last
+        check) is taken out and restarted instead of failing the call (a weight sync's pause / resume)."""
+        targets = [i for i in range(len(self.clients)) if i not in self.down]
+        results = await asyncio.gather(*[getattr(self.clients[i], method)(*args, **kwargs) for i in targets],
+                                       return_exceptions=True)
+        for i, result in zip(targets, results):
+            if isinstance(result, EngineUnavailable):
+                self._found_dead(i, f"{method} could not reach it ({result})")
+            elif isinstance(result, BaseException):
+                raise result
 
     async def on_weight_receivers(self, method: str, *args, **kwargs) -> list:
         """Call every engine a weight sync reaches: those in service and restarted ones waiting for weights."""
@@ -142,10 +154,22 @@ class EnginePool:
                     if self._unhealthy_checks[i] < UNHEALTHY_CHECKS:
                         continue
                     cause = f"GET /health failed {UNHEALTHY_CHECKS} checks in a row"
-                await self._take_out(i, cause)
+                await self._take_out(i, cause)  # out of the router before the caller retries
                 self._restarts[i] = asyncio.ensure_future(self._restart(i))
                 dead.append(i)
             return dead
+
+    def _found_dead(self, i: int, cause: str) -> None:
+        """Take engine i out of service at once (its removal from the router and its restart follow)."""
+        if i in self.down:
+            return
+        self.down[i] = cause  # at once: no call made after this returns reaches it
+        self.group_stale = True
+        self._restarts[i] = asyncio.ensure_future(self._take_out_and_restart(i, cause))
+
+    async def _take_out_and_restart(self, i: int, cause: str) -> None:
+        await self._take_out(i, cause)
+        await self._restart(i)
 
     async def _take_out(self, i: int, cause: str) -> None:
         """Mark engine i down and remove it from the router, so no new request reaches it."""

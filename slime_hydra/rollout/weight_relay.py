@@ -64,7 +64,7 @@ class WeightRelay:
         await self.pool.weights_lock.acquire()
         self._holds_lock = True
         await self.pool.check()  # a dead engine is taken out (and restarted); the sync goes to the others
-        await self.pool.on_engines("pause_generation", mode="in_place")
+        await self.pool.on_engines_or_take_out("pause_generation", mode="in_place")
         self._paused = True
 
     async def from_disk(self, path: str, version: int) -> None:
@@ -113,7 +113,7 @@ class WeightRelay:
         try:
             await self.pool.on_weight_receivers("flush_cache")
             if self._paused:
-                await self.pool.on_engines("continue_generation")
+                await self.pool.on_engines_or_take_out("continue_generation")
                 self._paused = False
             if self._incoming is not None:
                 self.newest = WeightSource(self._incoming.kind, version, self._incoming.path)
