@@ -86,7 +86,10 @@ def test_the_engine_is_refused_on_its_own_with_engine_fixes():
 
 
 def test_capacities_unknown_refuse_nothing():
-    load("model=glm4_9b", "cluster=slurm", "model.path=/ckpt/glm4_9b", "train.num_gpus=1")
+    """A plan that would not fit an 80 GiB GPU passes validation when the site states no GPU memory."""
+    cfg, d = load("model=glm4_9b", "cluster=slurm", "model.path=/ckpt/glm4_9b", "train.num_gpus=1")
+    plan = plan_memory(cfg, d)
+    assert plan.gpu_capacity is None and plan.gpu_peak > 80 * GiB
 
 
 def test_the_cpu_default_fits_this_machine():

@@ -2,7 +2,6 @@
 batch's metrics with the first error printed; a round in which every group fails stops the rollout with the error.
 Real Ray, router and one embedded CPU engine."""
 
-import os
 import time
 
 import pytest
@@ -10,6 +9,7 @@ import ray
 
 from slime_hydra.rollout.generate import default_generate
 from tests.rollout.helpers import manager_config, start_manager
+from tests.rollout.test_fault_tolerance import local_ray  # noqa: F401 -- the same module-wide Ray (autouse)
 
 pytestmark = pytest.mark.slow
 SHAPE = ("rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_tokens=4")
@@ -28,14 +28,6 @@ async def always_fails(ctx, sample, params):
 def slow_reward(response, label, metadata):
     time.sleep(2.0)
     return 1.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray(tmp_path_factory):
-    os.environ["SLIME_HYDRA_CACHE"] = str(tmp_path_factory.getbasetemp() / "model_cache")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_failed_samples_drop_their_group_and_are_counted(tmp_path):
