@@ -6,60 +6,43 @@ ranks, the engines, the router) against the memory plan's host estimate (config/
 
 runs ``python launch.py <overrides>`` and samples, every 0.5 s, the proportional set size (PSS: shared pages divided
 among the processes that map them, so the plasma store and shared libraries count once) of the launched process and
-all its descendants, read from /proc/<pid>/smaps_rollup. Prints the peak total, the processes at that peak by
-command, and the plan's estimate for the same overrides. Linux only. Written here because it is twenty lines of
-/proc reading; psutil is not a dependency of the project.
+all its descendants (psutil). Prints the peak total, the processes at that peak by command, and the plan's
+estimate for the same overrides. Linux only (PSS).
 """
 
 import collections
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def children_of() -> dict[int, list[int]]:
-    tree = collections.defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            tree[ppid].append(int(entry))
-    return tree
-
-
-def descendants(root: int) -> list[int]:
-    tree, out, todo = children_of(), [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += tree.get(pid, [])
-    return out
-
-
-def pss_bytes(pid: int) -> int:
+def processes(root: int) -> list[psutil.Process]:
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        parent = psutil.Process(root)
+        return [parent] + parent.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
-def name(pid: int) -> str:
+def pss_bytes(proc: psutil.Process) -> int:
     try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        text = " ".join(a.decode(errors="replace") for a in args if a)
-        return text.split("/")[-1][:60] if text else "?"
-    except OSError:
+        return proc.memory_full_info().pss
+    except psutil.Error:  # gone, or not ours
+        return 0
+
+
+def name(proc: psutil.Process) -> str:
+    try:
+        text = " ".join(proc.cmdline())
+    except psutil.Error:
         return "?"
+    return text.split("/")[-1][:60] if text else "?"
 
 
 def main() -> None:
@@ -74,9 +57,9 @@ def main() -> None:
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     peak, at_peak = 0, {}
     while run.poll() is None:
-        sizes = {pid: pss_bytes(pid) for pid in descendants(run.pid)}
+        sizes = {proc: pss_bytes(proc) for proc in processes(run.pid)}
         if sum(sizes.values()) > peak:
-            peak, at_peak = sum(sizes.values()), {(pid, name(pid)): size for pid, size in sizes.items()}
+            peak, at_peak = sum(sizes.values()), {(proc.pid, name(proc)): size for proc, size in sizes.items()}
         time.sleep(0.5)
     by_command = collections.Counter()
     for (_, command), size in at_peak.items():

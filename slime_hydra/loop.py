@@ -56,17 +56,29 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from slime_hydra import preempt
 from slime_hydra.buffer.sample import Sample
 from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, find_resume, fsync_tree, mark_latest, prune, write_json
-from slime_hydra.cluster.local_ray import LocalRay
+from slime_hydra.cluster.local_ray import LocalRay, dead_actor, worker_log_tail
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.model.hf import load_tokenizer
 from slime_hydra.model.warm_start import resolve_model_path
+from slime_hydra.stall import PROBE_TIMEOUT_S, StallDoctor, StallError
 from slime_hydra.tracking.phases import StepTimer
 from slime_hydra.tracking.progress import ProgressView
 from slime_hydra.tracking.tracker import Tracker
 from slime_hydra.train.objectives import ActorLoss, CriticLoss
 from slime_hydra.train.prepare import add_advantages, needs_old_logprobs, to_train_batch
 
+PHASE_WAITS_ON = {
+    "rollout": "the rollout manager (RolloutManager.generate_batch)",
+    "offload": "the trainer ranks and the engines to move GPU memory (offload / onload, release / resume)",
+    "logprobs": "the trainer ranks (TrainRank.logprobs)",
+    "train": "the trainer ranks (TrainRank.train_step)",
+    "weight_sync": "the trainer ranks and the engines (the weight sync)",
+    "eval": "the rollout manager (RolloutManager.evaluate)",
+    "checkpoint": "the trainer ranks and the rollout manager (saving)",
+    None: "nobody: the driver itself works between phases",
+}
+"""Whom the driver waits on in each phase of tracking/phases.py, for the stall doctor's report."""
 WEIGHTS_POLL_S = 0.5
 """While the loop waits for a rollout: how often it asks whether the engines need the weights sent again."""
 
@@ -91,10 +103,13 @@ def run(cfg: SlimeConfig, run_dir: Path) -> str:
                 return outcome
             finally:
                 session.close()
+        except ray.exceptions.RayActorError as exc:
+            print(death_report(exc, local_ray, run_dir / "logs" / "ray"), flush=True)
+            raise
         finally:
             if local_ray is not None:  # also when the session failed to start: its actors go with the node
                 ray.shutdown()
-                local_ray.stop()
+                local_ray.stop(keep_logs_in=run_dir / "logs" / "ray")
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"[:2000]
         raise
@@ -122,13 +137,14 @@ class Session:
             self.trainer.connect_rollout(d.weight_sync, self.manager, cfg.train.weight_sync_bucket_mb, str(run_dir),
                                          d.engine_dtype)
         self.step, self.next_rollout = 0, None
+        self.timer, self.doctor = StepTimer(), None
         self.last_save = time.monotonic()  # save_every_minutes counts from the start, then from each save
         self.gpu_holder = "both"  # colocated on GPUs: who holds the GPU memory now (see hand_gpus_to)
         self.trainer_gpu_bytes: dict[str, float] = {}
         if self.resume_from is not None:
             self.load(self.resume_from)
-        self.tracker = Tracker(cfg.tracking, run_dir, run_dir.name, asdict(cfg),
-                               resume_step=self.step - 1 if self.resume_from is not None else None)
+        # steps after the checkpoint (all of them without one) were logged by a run that died: logged again now
+        self.tracker = Tracker(cfg.tracking, run_dir, run_dir.name, asdict(cfg), resume_step=self.step - 1)
 
     # ---- set-up --------------------------------------------------------------------------------------------------
     def placement(self) -> None:
@@ -190,16 +206,42 @@ class Session:
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def train(self) -> str:
+        """The steps, watched by the stall doctor (stall.py) unless ``stall_after_minutes=0``."""
+        if not self.cfg.stall_after_minutes:
+            return self._steps()
+        self.doctor = StallDoctor(self.run_dir, 60 * self.cfg.stall_after_minutes, self.cfg.on_stall,
+                                  self.stall_probe, self.waits_on).start()
+        try:
+            return self._steps()
+        except KeyboardInterrupt:
+            if self.doctor.verdict:  # the doctor interrupted the main thread to stop the run
+                raise StallError(self.doctor.verdict) from None
+            raise
+        finally:
+            self.doctor.stop()
+
+    def stall_probe(self) -> tuple[int, str]:
+        if self.manager is None:
+            return 0, "none (no rollout side in this debug mode)"
+        return ray.get(self.manager.stall_probe.remote(), timeout=PROBE_TIMEOUT_S)
+
+    def waits_on(self) -> str:
+        """The driver's step, phase and whom that phase waits on, for the stall doctor."""
+        phase = self.timer.current
+        return f"step {self.step}, phase {phase or '-'}: waiting for {PHASE_WAITS_ON.get(phase, 'nobody')}"
+
+    def _steps(self) -> str:
         cfg = self.cfg
         progress = ProgressView(cfg.num_steps, self.step, enabled=cfg.tracking.progress)
         with progress:
             if self.step == 0 and self._eval_due(0):
-                timer = StepTimer()
+                timer = self.timer = StepTimer()
                 with timer.phase("eval"):
                     metrics = self.evaluate()
                 self.tracker.log(0, {**metrics, "perf/eval_time": timer.times["eval"]})
             while self.step < cfg.num_steps:
                 step, timer = self.step, StepTimer()
+                self.timer = timer
                 self.hand_gpus_to("engines", timer)                          # colocated GPUs: memory moves
                 samples, metrics = self.rollout_phase(step, timer)          # generate -> score -> filter
                 if self.trainer is not None:
@@ -222,6 +264,8 @@ class Session:
                 metrics.update(timer.metrics())
                 self.tracker.log(step, metrics)                              # track
                 progress.update(step, metrics)
+                if self.doctor is not None:
+                    self.doctor.beat()
                 if preempt.requested() and self.step < cfg.num_steps:
                     return "preempted"
         if not self._save_due():
@@ -414,6 +458,19 @@ def _init_ray(cfg: SlimeConfig, run_dir: Path) -> Optional[LocalRay]:
         node.stop()
         raise
     return node
+
+
+def death_report(error: BaseException, local_ray: Optional[LocalRay], kept_logs: Path) -> str:
+    """Which process died (Ray's class name and pid) and the last lines of its log (``kept_logs``: where
+    ``LocalRay.stop`` copies Ray's logs), for the message a run stops with; the logs of workers on other nodes
+    stay in Ray's session logs there."""
+    dead = dead_actor(error)
+    if dead is None:
+        return f"a Ray actor died: {error}"
+    name, pid, ip = dead
+    tail = worker_log_tail(local_ray.logs_dir if local_ray is not None else None, pid, kept_logs)
+    where = tail or f"(its log: worker-*-{pid}.out/.err in Ray's session logs on {ip})"
+    return f"the run stops: {name} (pid {pid} on {ip}) died\n{where}"
 
 
 def save_rollout(out_dir: Path, step: int, samples: list[dict]) -> None:

@@ -6,12 +6,15 @@ moment as the driver and kills them before the driver can write its checkpoint. 
 ``ray start --head --block`` in a new session (so the group signal reaches only the driver, whose handler
 checkpoints at the next step boundary and shuts everything down in order), tied to the driver
 (``lifetime.tied_to_parent``: if the driver is killed, ``ray start`` is too and Ray's reaper ends the node), then
-the driver connects with ``ray.init(address=...)``. Its temp dir is private (``/tmp/ray_sh_*``, removed by
-``stop``), so a plain ``ray.init()`` elsewhere on the machine does not attach to this run's node. ``stop`` disconnects and ends the node's process group (SIGTERM,
-SIGKILL after a grace period), with a bounded wait at every step.
+the driver connects with ``ray.init(address=...)``. Its temp dir is private (``/tmp/ray_sh_*``), so a plain
+``ray.init()`` elsewhere on the machine does not attach to this run's node. ``stop`` ends the node's process group
+(SIGTERM, SIGKILL after a grace period, a bounded wait at every step), copies Ray's logs (each actor's stdout and
+stderr, the daemons') into the run's ``logs/ray`` and removes the temp dir; the temp dirs of drivers that were
+killed (so never stopped their node) are removed by the next run's ``start``.
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +31,9 @@ START_TIMEOUT_S = 120.0
 """Seconds ``ray start`` may take to open its GCS port."""
 STOP_GRACE_S = 10.0
 """Seconds the node's process group gets between SIGTERM and SIGKILL."""
+TEMP_PREFIX = "ray_sh_"
+OWNER_FILE = "driver.pid"
+"""In the temp dir: the pid of the driver that started the node (a dir whose driver is gone is stale)."""
 
 
 class LocalRay:
@@ -40,7 +46,9 @@ class LocalRay:
     def start(self) -> str:
         """Start the node and wait until its GCS answers; returns its address (host:port)."""
         port = free_port("127.0.0.1")
-        self.temp_dir = tempfile.mkdtemp(prefix="ray_sh_", dir="/tmp")  # short: Ray's socket paths stay < 107 chars
+        remove_stale_temp_dirs()
+        self.temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")  # short: Ray's socket paths stay < 107 chars
+        Path(self.temp_dir, OWNER_FILE).write_text(str(os.getpid()))
         args = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
                 "--node-ip-address=127.0.0.1", f"--port={port}", f"--num-cpus={self.num_cpus}",
                 "--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
@@ -59,8 +67,14 @@ class LocalRay:
         self.address = f"127.0.0.1:{port}"
         return self.address
 
-    def stop(self) -> None:
-        """End the node's process group (SIGTERM, then SIGKILL after STOP_GRACE_S) and remove its temp dir."""
+    @property
+    def logs_dir(self) -> Optional[Path]:
+        """Ray's log directory of this node (``worker-<id>-<job>-<pid>.out/.err`` per worker process)."""
+        return Path(self.temp_dir, "session_latest", "logs") if self.temp_dir else None
+
+    def stop(self, keep_logs_in: Optional[Path] = None) -> None:
+        """End the node's process group (SIGTERM, then SIGKILL after STOP_GRACE_S), copy Ray's logs into
+        ``keep_logs_in`` and remove the temp dir."""
         if self.proc is not None and self.proc.poll() is None:
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
@@ -73,4 +87,47 @@ class LocalRay:
                 except subprocess.TimeoutExpired:
                     continue
         if self.temp_dir:
+            if keep_logs_in is not None and self.logs_dir.is_dir():
+                shutil.copytree(self.logs_dir, keep_logs_in, dirs_exist_ok=True, ignore_dangling_symlinks=True,
+                                ignore=shutil.ignore_patterns("*.sock", "nsight", "rocprof_sys", "profiles"))
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def remove_stale_temp_dirs() -> None:
+    """Remove /tmp/ray_sh_* dirs whose driver is gone (it was killed before it could stop its node)."""
+    for path in Path("/tmp").glob(f"{TEMP_PREFIX}*"):
+        try:
+            owner = int((path / OWNER_FILE).read_text())
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (OSError, ValueError):  # another user's, or being created right now: leave it
+            continue
+
+
+def worker_log_tail(logs_dir: Optional[Path], pid: int, shown_in: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of the stdout and stderr Ray kept for worker process ``pid`` in ``logs_dir``, each
+    under its name in ``shown_in`` (where ``stop`` copies them); "" when there is none (no dir, another node's
+    worker, empty logs)."""
+    if logs_dir is None or not logs_dir.is_dir():
+        return ""
+    parts = []
+    for path in sorted(logs_dir.glob(f"worker-*-{pid}.*"), reverse=True):  # .out then .err
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+        if text:
+            parts.append(f"--- {shown_in / path.name} (last {len(text)} lines)\n" + "\n".join(text))
+    return "\n".join(parts)
+
+
+def dead_actor(error: BaseException) -> Optional[tuple[str, int, str]]:
+    """(class name, pid, node ip) of the actor whose death ``error`` reports (Ray names them in its message), or
+    None when the error is not an actor's death."""
+    import ray.exceptions
+
+    if not isinstance(error, ray.exceptions.RayActorError):
+        return None
+    text = str(error)
+    found = [re.search(rf"{key}: (\S+)", text) for key in ("class_name", "pid", "ip")]
+    if not all(found) or not found[1].group(1).isdigit():
+        return None
+    return found[0].group(1), int(found[1].group(1)), found[2].group(1)

@@ -15,6 +15,7 @@ from slime_hydra.model.config import ModelConfig
 from slime_hydra.options import Problem, choice, non_negative, positive
 from slime_hydra.reward.config import RewardConfig
 from slime_hydra.rollout.config import RolloutConfig
+from slime_hydra.stall import ON_STALL
 from slime_hydra.tracking.config import TrackingConfig
 from slime_hydra.train.config import TrainConfig
 
@@ -70,6 +71,11 @@ class SlimeConfig:
     loses at most about this much; 0 disables."""
     keep_checkpoints: int = non_negative(3)
     """Keep the newest N checkpoints of the run and delete older ones once a newer one is complete; 0 keeps all."""
+    stall_after_minutes: float = non_negative(30.0)
+    """The stall doctor (stall.py): after this many minutes in which no step finished and no generation or reward
+    finished, write every process's Python stacks to <run_dir>/stall/ and print what the run waits on; 0 disables."""
+    on_stall: str = choice("stop", ON_STALL)
+    """stop (end the run with that report) | wait (keep waiting; report again after every further period)."""
     resume: str = "auto"
     """auto (continue from the newest checkpoint in the run dir, if any) | never | a checkpoint directory."""
     output_dir: str = "runs"

@@ -30,6 +30,8 @@ class RewardScorer:
         remote = {"url": cfg.url, "timeout_s": cfg.timeout_s, "max_retries": cfg.max_retries,
                   "backoff_s": cfg.backoff_s} if cfg.name == "remote" else {}
         self.fn = get_reward_fn(cfg.name, cfg.target, **remote)
+        self.name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        """The reward function's name, for reports."""
         self.is_group = is_group_reward(self.fn)
         self.is_async = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(
             getattr(self.fn, "__call__", None))

@@ -14,12 +14,18 @@ engine stays out of the router until the next sync reaches it (``register_awaiti
 lost a member must be formed again (``group_stale``). When that leaves no engine in service (``needs_weights``),
 requests wait for it and the loop has the trainer send the current weights again (loop.py ``resend_weights``).
 
+The periodic check never dies silently: an error in it is printed and the checks go on, except when an engine's
+actor itself is gone (Ray cannot restart it): then the monitor stops, the pool is ``failed`` and the rollout
+manager's next batch, eval or sync raises that error (``raise_if_failed``), so the run stops naming it.
+
 Syncs and replays exclude each other through ``weights_lock``: a restart replays only while no sync is running,
 so a restarted engine always ends on the newest version.
 """
 
 import asyncio
 from typing import Awaitable, Callable, Optional
+
+import ray
 
 from slime_hydra.rollout.client import EngineError, EngineUnavailable, SGLangClient
 from slime_hydra.rollout.router import Router, RouterError
@@ -59,6 +65,8 @@ class EnginePool:
         self._unhealthy_checks: dict[int, int] = {}
         self._check_lock = asyncio.Lock()
         self._monitor: Optional[asyncio.Task] = None
+        self.failed: Optional[BaseException] = None
+        """The error that stopped the periodic check (an engine actor died); raised by raise_if_failed."""
 
     async def start(self) -> list[str]:
         """Start the router and every engine, register the engines, wait until the router sees them healthy."""
@@ -131,7 +139,18 @@ class EnginePool:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.health_check_interval_s)
-            await self.check()
+            try:
+                await self.check()
+            except Exception as error:
+                print(f"rollout: the engine health check failed: {type(error).__name__}: {error}", flush=True)
+                if isinstance(error, ray.exceptions.RayActorError):  # an engine's actor is gone: no check can help
+                    self.failed = error
+                    return
+
+    def raise_if_failed(self) -> None:
+        """Raise the error that stopped the health checks, if one did."""
+        if self.failed is not None:
+            raise self.failed
 
     async def check(self) -> list[int]:
         """Check every engine in service once (process alive, GET /health); start the restart of each dead one and
@@ -244,6 +263,8 @@ class EnginePool:
 
     def down_report(self) -> str:
         """Which engines are out of service and why (for error messages)."""
+        if self.failed is not None:
+            return f"the health checks stopped: {type(self.failed).__name__}: {self.failed}"
         if not self.down:
             return "every engine passed its last health check"
         return "; ".join(f"engine {i} ({self.urls[i]}): {cause}" for i, cause in sorted(self.down.items()))
@@ -263,5 +284,8 @@ class EnginePool:
             task.cancel()
         for client in self.clients:
             await client.close()
-        await asyncio.gather(*[e.stop.remote() for e in self.engines])
+        stopped = await asyncio.gather(*[e.stop.remote() for e in self.engines], return_exceptions=True)
         self.router.stop()
+        for i, result in enumerate(stopped):  # a dead engine actor has nothing left to stop; anything else is news
+            if isinstance(result, BaseException) and not isinstance(result, ray.exceptions.RayActorError):
+                raise result

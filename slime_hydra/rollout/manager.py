@@ -31,7 +31,8 @@ call past ``reward.timeout_s`` scores 0, counted in ``rollout/reward_timeouts``.
 
 Evaluation (``evaluate``): every ``data.eval`` set with its own samples per prompt, temperature and response
 budget; metrics ``eval/<name>/accuracy`` (fraction of samples whose reward says correct: the dict's ``acc`` when
-there is one, else scalar reward >= 1), ``eval/<name>/reward``, ``eval/<name>/response_len`` and, for k in
+there is one, else scalar reward >= 1; a sample whose generation failed, or that a failed sample left unscored in
+its group, counts as wrong with reward 0, in ``eval/<name>/failed_samples``, the first error printed), ``eval/<name>/reward``, ``eval/<name>/response_len`` and, for k in
 1, 2, 4 ... <= n, ``eval/<name>/pass@k`` with the unbiased estimator 1 - C(n-c, k) / C(n, k) averaged over
 prompts (c correct of n samples).
 
@@ -61,8 +62,9 @@ from slime_hydra.reward import RewardScorer
 from slime_hydra.rollout.client import EngineError, EngineUnavailable, SGLangClient
 from slime_hydra.rollout.engine_pool import EnginePool
 from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, sampling_params
-from slime_hydra.rollout.router import Router
+from slime_hydra.rollout.router import Router, RouterError
 from slime_hydra.rollout.weight_relay import WeightRelay
+from slime_hydra.stall import InFlight
 
 RETRY_BACKOFF_S = 0.5
 """First pause before a /generate retry; doubled on each further retry (net.backoff_s)."""
@@ -113,6 +115,8 @@ class RolloutManager:
         self.failed_samples = 0
         """Samples whose generate function raised (their groups are dropped) since start."""
         self._reported: dict[str, int] = {}
+        self.in_flight = InFlight()
+        """Generations and reward groups in flight, for the stall doctor (stall_probe)."""
 
     def _eval_set(self, e) -> EvalSet:
         dataset = load_eval_prompts(e, self.cfg.data, self.tokenizer)
@@ -142,7 +146,8 @@ class RolloutManager:
                     return [sample]
                 before = copy.deepcopy(sample)
                 try:
-                    out = await self.generate_fn(self.ctx, sample, dict(params))
+                    with self.in_flight.call("generation"):
+                        out = await self.generate_fn(self.ctx, sample, dict(params))
                     return out if isinstance(out, list) else [out]
                 except Exception as error:
                     if not _unreachable(error):  # one bad sample must not end the rollout: it is marked and dropped
@@ -150,6 +155,10 @@ class RolloutManager:
                         sample.metadata["error"] = f"{type(error).__name__}: {error}"
                         return [sample]
                     last_error, sample = error, before
+                if not self.router.process.alive:  # no retry can help: stop, naming it
+                    raise RouterError(f"the router (pid {self.router.process.pid}) exited with code "
+                                      f"{self.router.process.popen.returncode}; last lines of its log "
+                                      f"{self.router.process.log_path}:\n{self.router.process.log_tail(2000)}")
                 await self.pool.check()  # a dead engine leaves the router (and the error names it)
                 if attempt < self.rollout.max_generate_retries:
                     self.generate_retries += 1
@@ -170,14 +179,16 @@ class RolloutManager:
         results = await asyncio.gather(*[self._generate_sample(s, params, abort) for s in todo])
         samples = sorted(done + [x for r in results for x in r], key=lambda s: s.index)
         if all(s.is_done for s in samples):
-            rewards = await self.reward.score_group([s.response for s in samples], [s.label for s in samples],
-                                                    [s.metadata for s in samples])
+            with self.in_flight.call(f"reward group ({self.reward.name})"):
+                rewards = await self.reward.score_group([s.response for s in samples], [s.label for s in samples],
+                                                        [s.metadata for s in samples])
             for s, r in zip(samples, rewards):
                 s.reward = r
         return samples
 
     async def generate_batch(self) -> dict:
         """One training batch of rollout.batch_prompts groups; returns {"samples": [dict], "metrics": {...}}."""
+        self.pool.raise_if_failed()
         start = time.monotonic()
         batch_prompts = self.rollout.batch_prompts
         params = sampling_params(self.rollout)
@@ -240,6 +251,7 @@ class RolloutManager:
     # ---- evaluation ----------------------------------------------------------------------------------------------
     async def evaluate(self) -> dict[str, float]:
         """Metrics of every eval set (see the module docstring)."""
+        self.pool.raise_if_failed()
         metrics: dict[str, float] = {}
         for ev in self.eval_sets:
             n = ev.n_samples_per_prompt
@@ -248,10 +260,17 @@ class RolloutManager:
                       for i, r in enumerate(ev.dataset.records)]
             done = await asyncio.gather(*[self._generate_group(g, ev.params) for g in groups])
             key = self.cfg.reward.reward_key
-            correct = [[_correct(s, key) for s in g] for g in done]
+            correct = [[s.reward is not None and _correct(s, key) for s in g] for g in done]
             flat = [s for g in done for s in g]
+            unscored = [s for s in flat if s.reward is None]  # a failed sample left its group unscored
+            if unscored:
+                errors = [s.metadata["error"] for s in unscored if "error" in s.metadata]
+                print(f"eval {ev.name}: {len(unscored)} samples failed or left unscored, counted as wrong and "
+                      f"reward 0; the first error: {errors[0] if errors else '-'}", flush=True)
+            metrics[f"eval/{ev.name}/failed_samples"] = float(len(unscored))
             metrics[f"eval/{ev.name}/accuracy"] = statistics.fmean(float(c) for g in correct for c in g)
-            metrics[f"eval/{ev.name}/reward"] = statistics.fmean(s.scalar_reward(key) for s in flat)
+            metrics[f"eval/{ev.name}/reward"] = statistics.fmean(
+                s.scalar_reward(key) if s.reward is not None else 0.0 for s in flat)
             metrics[f"eval/{ev.name}/response_len"] = statistics.fmean(s.response_length for s in flat)
             k = 1
             while k <= n:
@@ -259,11 +278,17 @@ class RolloutManager:
                 k *= 2
         return metrics
 
+    def stall_probe(self) -> tuple[int, str]:
+        """For the stall doctor (stall.py): the count of finished generations and reward groups, and what is in
+        flight now, with the engines out of service."""
+        return self.in_flight.finished, f"{self.in_flight.describe()}; engines: {self.pool.down_report()}"
+
     # ---- weights (forwarded to the relay; weight_relay.py) --------------------------------------------------------
     def weight_group_size(self) -> int:
         return self.weights.group_size()
 
     async def begin_weight_update(self) -> None:
+        self.pool.raise_if_failed()
         await self.weights.begin()
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:

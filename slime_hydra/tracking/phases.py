@@ -24,17 +24,20 @@ class StepTimer:
     def __init__(self) -> None:
         self.start = time.monotonic()
         self.times: dict[str, float] = {}
+        self.current: str | None = None
+        """The phase running now (None between phases)."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the block as phase ``name`` (one of PHASES)."""
         if name not in PHASES:
             raise ValueError(f"phase {name!r} is not one of {PHASES}")
-        began = time.monotonic()
+        began, self.current = time.monotonic(), name
         try:
             yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.monotonic() - began
+            self.current = None
 
     def metrics(self) -> dict[str, float]:
         """perf/<phase>_time of every phase entered, perf/step_time (since the timer was made) and

@@ -22,6 +22,8 @@ from slime_hydra.tracking.config import TrackingConfig
 class Tracker:
     def __init__(self, cfg: TrackingConfig, run_dir: Path, run_name: str, config: Mapping[str, Any],
                  resume_step: int | None = None):
+        """resume_step: the last step the checkpoint being resumed has trained (-1: none); rows logged after it
+        are dropped. None keeps metrics.jsonl as it is."""
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -34,12 +36,21 @@ class Tracker:
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=resume_step)
+            self._tensorboard = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step is not None else None)
 
     def _truncate_after(self, step: int) -> None:
+        """Drop the rows of steps after ``step`` (logged by a run that died before its next checkpoint: the rerun
+        logs them again) and a last line the dying run left half-written."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # the half-written last line of a killed run
+                continue
+            if row["step"] <= step:
+                kept.append(line)
         self.path.write_text("".join(f"{line}\n" for line in kept))
 
     def _start_wandb(self, run_name: str, config: Mapping[str, Any]):

@@ -6,7 +6,8 @@ the initial checkpoint it restarts from does not have: with ``distributed`` (the
 nothing on the rollout side can replay them, so the restarted engine waits for weights and the loop has the
 trainer send them again (unless the step's own sync reaches it first: the kill may land in any phase of step 2);
 with ``tensor`` (colocated on CPU) the rollout manager replays its kept copy; with ``disk`` the engine reloads the
-newest export. Not covered here: CUDA IPC (the GPU ``tensor`` path), which recovers the way ``distributed`` does.
+newest export; with CUDA IPC (``tensor`` colocated on a GPU: the ``cuda_ipc`` case, run on the GPU machine with
+``-m gpu``) nothing on the rollout side can replay them either, and it recovers the way ``distributed`` does.
 """
 
 import json
@@ -17,7 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 
 from slime_hydra.config import PROJECT_ROOT
 from tests.loop.test_loop import SMALL, train_rows
@@ -31,21 +34,11 @@ def _cache(tmp_path_factory, monkeypatch):
 
 
 def descendants(root: int) -> list[int]:
-    """Every process below ``root`` (from /proc; the engine is a subprocess of a Ray worker of the driver)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += parents.get(pid, [])
-    return out
+    """``root`` and every process below it (the engine is a subprocess of a Ray worker of the driver)."""
+    try:
+        return [root] + [p.pid for p in psutil.Process(root).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return [root]
 
 
 def engine_pids(root: int) -> list[int]:
@@ -57,10 +50,17 @@ def engine_pids(root: int) -> list[int]:
     return [p for p in descendants(root) if "slime_hydra.rollout.engines.embedded" in cmdline(p)]
 
 
-@pytest.mark.parametrize("weight_sync, engines", [("distributed", 1), ("tensor", 1), ("disk", 1),
-                                                  ("distributed", 2)])
-def test_an_engine_killed_mid_run_costs_nothing(tmp_path, weight_sync, engines):
-    placement = ("cluster.colocate=true",) if weight_sync == "tensor" else (f"rollout.num_gpus={engines}",)
+ON_ONE_GPU = ("cluster.gpus_per_node=1", "train.num_gpus=1", "cluster.colocate=true", "rollout.num_gpus=null")
+"""Trainer and engine colocated on one GPU: weight_sync=tensor is the CUDA IPC path."""
+
+
+@pytest.mark.parametrize("weight_sync, engines, placement", [
+    ("distributed", 1, ("rollout.num_gpus=1",)), ("tensor", 1, ("cluster.colocate=true",)),
+    ("disk", 1, ("rollout.num_gpus=1",)), ("distributed", 2, ("rollout.num_gpus=2",)),
+    pytest.param("tensor", 1, ON_ONE_GPU, id="cuda_ipc", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+])
+def test_an_engine_killed_mid_run_costs_nothing(tmp_path, weight_sync, engines, placement):
     args = [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r", "num_steps=5",
             f"train.weight_sync={weight_sync}", *placement, "debug.save_rollouts=true",
             "rollout.health_check_interval_s=0.5", *SMALL]
@@ -84,9 +84,10 @@ def test_an_engine_killed_mid_run_costs_nothing(tmp_path, weight_sync, engines):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert sum(r["rollout/engine_restarts"] for r in rows) == 1
     resends = sum(r["rollout/weight_resends"] for r in rows)
-    # distributed, one engine: the trainer sends the weights again unless the step's own sync reached the restarted
+    # distributed or CUDA IPC, one engine: the trainer sends the weights again unless the step's own sync reached the restarted
     # engine first; with two, the other engine serves until the step's sync brings the restarted one back
-    assert resends <= 1 if (weight_sync, engines) == ("distributed", 1) else resends == 0
+    replayable = weight_sync == "disk" or (weight_sync == "tensor" and placement != ON_ONE_GPU)
+    assert resends == 0 if replayable or engines == 2 else resends <= 1
     assert ("sending version" in out) == (resends == 1)
     assert all(r["rollout/weight_version_lag"] == 0 for r in rows)  # no step trained on stale or initial weights
     prompts = []

@@ -1,6 +1,6 @@
 """Failures that are not the engines': a generate function that raises, a reward past its timeout. Counted in the
-batch's metrics with the first error printed; a round in which every group fails stops the rollout with the error.
-Real Ray, router and one embedded CPU engine."""
+batch's metrics with the first error printed; a round in which every group fails stops the rollout with the error;
+in an eval the failed samples count as wrong. Real Ray, router and one embedded CPU engine."""
 
 import time
 
@@ -51,6 +51,18 @@ def test_a_round_where_every_group_fails_stops_with_the_error(tmp_path):
         message = str(raised.value)
         assert "RolloutFailure" in message and "every one of the 2 groups" in message
         assert "RuntimeError: the verifier sandbox is down" in message
+    finally:
+        ray.get(manager.shutdown.remote(), timeout=60)
+
+
+def test_failed_eval_samples_count_as_wrong_and_the_eval_goes_on(tmp_path):
+    cfg = manager_config(tmp_path, *SHAPE, f"rollout.generate={__name__}.fails_on_group_0",
+                         "data.eval=[{name: addition, n_samples_per_prompt: 2, max_prompts: 3}]")
+    manager, _, _ = start_manager(cfg, tmp_path / "r", num_engines=1)
+    try:
+        metrics = ray.get(manager.evaluate.remote(), timeout=180)
+        assert metrics["eval/addition/failed_samples"] == 2  # the two samples of prompt 0
+        assert 0 <= metrics["eval/addition/accuracy"] <= 4 / 6 and metrics["eval/addition/pass@2"] <= 2 / 3
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
 

@@ -162,6 +162,26 @@ def test_generate_retries_after_a_restart_then_fails_naming_the_engine(tmp_path)
         ray.get(manager.shutdown.remote(), timeout=60)
 
 
+def test_an_engine_actor_that_dies_stops_the_health_checks_loudly_and_the_next_batch(tmp_path):
+    """The engine's Ray actor itself killed (Ray does not restart it): the periodic check fails, says so, and the
+    next batch raises the actor's death instead of generating without the engine."""
+    cfg = manager_config(tmp_path, "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2",
+                         "rollout.health_check_interval_s=0.2")
+    manager, engines, _ = start_manager(cfg, tmp_path / "r", num_engines=1)
+    try:
+        ray.kill(engines[0], no_restart=True)
+        deadline = time.monotonic() + 60
+        while "the health checks stopped" not in (report := ray.get(manager.stall_probe.remote())[1]):
+            assert time.monotonic() < deadline, report
+            time.sleep(0.1)
+        assert "ActorDiedError" in report
+        with pytest.raises(ray.exceptions.RayTaskError) as raised:
+            ray.get(manager.generate_batch.remote(), timeout=60)
+        assert "ActorDiedError" in str(raised.value) and "EngineActor" in str(raised.value)
+    finally:
+        ray.get(manager.shutdown.remote(), timeout=60)
+
+
 def _broadcast_sync(manager, model_dir: str, version: int, world_size: int) -> None:
     """One sync as the trainer's WeightPusher runs it with weight_sync=distributed: a fresh broadcast group whose
     rank 0 (a sender process standing in for trainer rank 0) sends every tensor of ``model_dir``."""

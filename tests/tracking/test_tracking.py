@@ -31,6 +31,21 @@ def test_metrics_jsonl_and_resume_never_repeats_a_step(tmp_path):
     assert rows[4]["rollout/raw_reward"] == pytest.approx(0.4)
 
 
+def test_a_rerun_drops_a_half_written_row_and_everything_after_its_checkpoint(tmp_path):
+    tracker = Tracker(TrackingConfig(), tmp_path, "run", {})
+    _log_steps(tracker, range(3))
+    tracker.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "rollout/raw_')  # the driver was killed mid-write
+    tracker = Tracker(TrackingConfig(), tmp_path, "run", {}, resume_step=1)
+    _log_steps(tracker, [2])
+    tracker.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    # died before its first checkpoint: the rerun starts from step 0 and keeps none of the old rows
+    Tracker(TrackingConfig(), tmp_path, "run", {}, resume_step=-1).close()
+    assert read_metrics(tmp_path) == []
+
+
 def test_log_every_steps(tmp_path):
     tracker = Tracker(TrackingConfig(log_every_steps=2), tmp_path, "run", {})
     _log_steps(tracker, range(5))

@@ -1,0 +1,54 @@
+"""The stall doctor through launch.py: a reward function that never returns stalls the run; after
+``stall_after_minutes`` the run writes every process's stacks, says where it waits (the rollout phase, the reward
+groups in flight) and stops (``on_stall=stop``)."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from slime_hydra.config import PROJECT_ROOT
+from tests.loop.test_loop import SMALL
+
+pytestmark = pytest.mark.slow
+
+NEVER = threading.Event()
+
+
+def never_returns(response, label, metadata):
+    NEVER.wait()
+    return 1.0
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
+
+
+def test_a_reward_that_never_returns_is_found_and_stops_the_run(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))  # the Ray workers import this module for the reward
+    args = [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r", "num_steps=3",
+            *SMALL, "reward.name=custom", f"reward.target={__name__}.never_returns", "reward.timeout_s=100000",
+            "stall_after_minutes=0.1", "on_stall=stop"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    run = tmp_path / "r"
+    reports = sorted((run / "stall").iterdir())
+    assert len(reports) == 1
+    report = (reports[0] / "report.txt").read_text()
+    assert "no step finished and no generation or reward finished for" in report
+    assert "step 0, phase rollout: waiting for the rollout manager (RolloutManager.generate_batch)" in report
+    assert "4 reward group (never_returns) in flight" in report and "no generation in flight" in report
+    assert report.strip() in out.stdout  # printed as written
+    stacks = (reports[0] / "stacks.txt").read_text()
+    sections = stacks.split("\n===== pid ")
+    manager = [s for s in sections if ": ray::RolloutManager" in s.splitlines()[0]]
+    assert len(manager) == 1 and "never_returns (" in manager[0]  # the stuck frame, in the manager's reward thread
+    assert any(": ray::TrainRank" in s.splitlines()[0] for s in sections)
+    assert any("slime_hydra.rollout.engines.embedded" in s.splitlines()[0] for s in sections)
+    record = json.loads((run / "run.json").read_text())
+    assert record["outcome"] == "failed" and record["error"].startswith("StallError: stall: no step finished")
+    assert "StallError" in out.stderr
