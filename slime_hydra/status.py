@@ -8,8 +8,8 @@ its driver's pid lives (on this host), DONE, PREEMPTED (a checkpoint was written
 FAILED (with the error), or DIED when the driver is gone without a word (killed: resume from the checkpoint). The state comes from ``sacct``, else ``squeue -t all``, else
 ``scontrol show job``, each bounded by a timeout: a dead controller gives UNKNOWN, never a hang. A failed job
 shows why: the error its task recorded as JSON (``<folder>/<job_id>_<rank>_error.json``, launch/submit.py; rank 0's
-first), else the last line of rank 0's stderr log (a task killed before Python could record anything), else SLURM's
-reason and exit code.
+first), else the last line of rank 0's stderr log (a task killed before Python could record anything, e.g. slurmstepd's
+out-of-memory line; srun's own exit line is skipped), else SLURM's reason and exit code.
 
 Nothing a run directory points to is unpickled: submitit's result files are pickles, and loading one runs whatever
 code its writer put in it, so status reads only JSON and text.
@@ -136,14 +136,15 @@ def _error_line(job: dict) -> str:
 
 
 def _last_line(path: Path) -> str:
-    """The last non-blank line of a log file ("" when it is missing or empty)."""
+    """The last non-blank line of a task's log that is not srun's own ``srun: error: <host>: task 0: Exited with exit
+    code 1`` (which says no more than the exit code); "" when there is none."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
             tail = f.read().decode(errors="replace")
     except OSError:
         return ""
-    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip() and not ln.startswith("srun: ")]
     return lines[-1] if lines else ""
 
 

@@ -119,7 +119,8 @@ def test_a_failed_job_shows_its_error_without_unpickling_anything(tmp_path, monk
     (folder / "7_0_error.json").unlink()
     assert reason() == "rank 2: RuntimeError: rank 2 broke"
     (folder / "7_2_error.json").write_text('{"rank": 2, "err')  # cut short: the log is read instead
-    stderr.write_text("Traceback (most recent call last):\n  ...\nMemoryError: out of host memory\n\n")
+    stderr.write_text("Traceback (most recent call last):\n  ...\nMemoryError: out of host memory\n\n"
+                      "srun: error: node1: task 0: Exited with exit code 1\n")
     assert reason() == "MemoryError: out of host memory"
     stderr.unlink()
     assert reason() == "exit code 1:0"
