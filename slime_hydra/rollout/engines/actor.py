@@ -7,7 +7,7 @@ that many consecutive one-GPU bundles: ``engine_gpu_ids`` asks each bundle which
 per bundle, before the engines start) and refuses an engine whose bundles landed on different nodes. On a CPU-only
 machine the bundle is ``{CPU: 1}`` and the engine runs on the CPU.
 
-    actor.start(api_key) -> url     actor.restart() -> url (same ports and key)     actor.alive() -> bool     actor.stop()
+    actor.start(api_key) -> url   actor.restart() -> url (same ports, same key)   actor.alive() -> bool   actor.stop()
 
 Which server: the embedded engine (``sglang=None``, ``rollout=embedded``), or real SGLang (an ``SGLangLaunch``,
 ``rollout=sglang``: ``python -m sglang.launch_server ...`` rendered by ``engines/sglang.py``; it needs the
