@@ -28,6 +28,9 @@ from typing import Any, Optional
 LATEST = "latest"
 RUN_RECORD = "run.json"
 """<run_dir>/run.json: the driver's host, pid and start time, then how the run ended (loop.run writes it)."""
+JOB_ERROR = "{job_id}_{rank}_error.json"
+"""In a SLURM job's submitit folder, beside submitit's own per-task files: why that task failed, as JSON
+(launch/submit.py writes it, status.py shows it)."""
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:

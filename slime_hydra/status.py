@@ -7,13 +7,17 @@ Columns: job id, state, last step and last reward (the last ``step`` and ``rollo
 its driver's pid lives (on this host), DONE, PREEMPTED (a checkpoint was written: run the command again),
 FAILED (with the error), or DIED when the driver is gone without a word (killed: resume from the checkpoint). The state comes from ``sacct``, else ``squeue -t all``, else
 ``scontrol show job``, each bounded by a timeout: a dead controller gives UNKNOWN, never a hang. A failed job
-shows why: the last line of the exception submitit recorded for rank 0, else SLURM's reason and exit code.
+shows why: the error its task recorded as JSON (``<folder>/<job_id>_<rank>_error.json``, launch/submit.py; rank 0's
+first), else the last line of rank 0's stderr log (a task killed before Python could record anything, e.g. slurmstepd's
+out-of-memory line; srun's own exit line is skipped), else SLURM's reason and exit code.
+
+Nothing a run directory points to is unpickled: submitit's result files are pickles, and loading one runs whatever
+code its writer put in it, so status reads only JSON and text.
 """
 
 import argparse
 import json
 import os
-import pickle
 import socket
 import subprocess
 import sys
@@ -24,10 +28,12 @@ from typing import Iterable, Optional
 from rich.console import Console
 from rich.table import Table
 
-from slime_hydra.checkpoint import LATEST, RUN_RECORD
+from slime_hydra.checkpoint import JOB_ERROR, LATEST, RUN_RECORD
 
 QUERY_TIMEOUT_S = 10
 """Seconds one sacct/squeue/scontrol call may take."""
+LOG_TAIL_BYTES = 64 * 1024
+"""How much of the end of a stderr log is read to find its last line."""
 
 
 @dataclass
@@ -111,14 +117,35 @@ def last_metrics(run_dir: Path) -> tuple[Optional[int], Optional[float]]:
 
 
 def _error_line(job: dict) -> str:
-    """The last line of the exception submitit pickled for rank 0, if the job failed inside Python."""
-    result = Path(job.get("submitit_folder", "")) / f"{job.get('job_id')}_0_result.pkl"
+    """Why a failed job failed: the first line of the error a task recorded (rank 0's, else the lowest rank's, named),
+    else the last line of rank 0's stderr log; "" when neither says anything."""
+    job_id, folder = str(job.get("job_id")), job.get("submitit_folder")
+    recorded = {}
+    for path in Path(folder).glob(JOB_ERROR.format(job_id=job_id, rank="*")) if folder else ():
+        try:
+            record = json.loads(path.read_text())
+            rank, error = int(record["rank"]), str(record["error"]).strip()
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable or partial: the other sources remain
+            continue
+        if error:
+            recorded[rank] = error.splitlines()[0]
+    if recorded:
+        rank = min(recorded)
+        return recorded[rank] if rank == 0 else f"rank {rank}: {recorded[rank]}"
+    return _last_line(Path(job["stderr"])) if job.get("stderr") else ""
+
+
+def _last_line(path: Path) -> str:
+    """The last non-blank line of a task's log that is not srun's own ``srun: error: <host>: task 0: Exited with exit
+    code 1`` (which says no more than the exit code); "" when there is none."""
     try:
-        outcome, payload = pickle.loads(result.read_bytes())
-    except Exception:  # missing, partial or unreadable: the job died without writing it
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+            tail = f.read().decode(errors="replace")
+    except OSError:
         return ""
-    lines = [ln for ln in str(payload).splitlines() if ln.strip()] if outcome == "error" else []
-    return lines[-1].strip() if lines else ""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip() and not ln.startswith("srun: ")]
+    return lines[-1] if lines else ""
 
 
 MARKERS = ("job.json", RUN_RECORD)

@@ -21,24 +21,35 @@ Preemption: the job function is a ``submitit.helpers.Checkpointable``. When SLUR
 it; the body checkpoints at its next step boundary and returns ``"preempted"``; Ray is torn down; then submitit's
 own requeue handler runs ``checkpoint()`` (this function again, with ``resume=auto``) and ``scontrol requeue``.
 The requeued job starts from the newest checkpoint in the same run directory.
+
+A task that fails writes why to ``<folder>/<job_id>_<rank>_error.json`` (``record_failure``: the error line, the
+traceback, the host) before submitit records the exception its own way, so ``python -m slime_hydra.status`` can show
+it without unpickling anything (submitit's result file is a pickle, which runs code when loaded).
 """
 
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import submitit
 from rich.console import Console
 
+from slime_hydra import preempt
+from slime_hydra.checkpoint import JOB_ERROR, write_json
 from slime_hydra.config.derive import Derived
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.dotted import import_callable
-from slime_hydra import preempt
 from slime_hydra.launch.slurm import sbatch_parameters
+
+TRACEBACK_CHARS = 8000
+"""The end of a failed task's traceback kept in its error record."""
+
 
 def resolve_body(path: str) -> Callable[[SlimeConfig, Path], Any]:
     """'package.module.function' (or 'package.module:function') -> the function."""
@@ -53,6 +64,16 @@ class SlurmRun(submitit.helpers.Checkpointable):
         """Dotted path of body(cfg, run_dir), run on rank 0 as the Ray driver (RAY_ADDRESS set): cluster.job_body."""
 
     def __call__(self, cfg: SlimeConfig, run_dir: str) -> Optional[str]:
+        try:
+            return self._run(cfg, run_dir)
+        except Exception as error:
+            try:
+                record_failure(error)
+            except OSError as unwritten:  # the job's own error matters more than its record
+                print(f"could not record the failure in the submitit folder: {unwritten}", flush=True)
+            raise
+
+    def _run(self, cfg: SlimeConfig, run_dir: str) -> Optional[str]:
         from slime_hydra.cluster.ray_cluster import RayCluster
 
         preempt.install()
@@ -87,6 +108,17 @@ class SlurmRun(submitit.helpers.Checkpointable):
             handler(usr_sig, None)
         except subprocess.CalledProcessError as error:  # scontrol requeue refused (e.g. the job is being cancelled)
             print(f"requeue failed: {error}", flush=True)
+
+
+def record_failure(error: BaseException) -> Path:
+    """Write why this task of the job failed to its error record in the submitit folder; return the path."""
+    env = submitit.JobEnvironment()
+    path = env.paths.folder / JOB_ERROR.format(job_id=env.job_id, rank=env.global_rank)
+    write_json(path, {"job_id": env.job_id, "rank": env.global_rank, "host": socket.gethostname(),
+                      "error": f"{type(error).__name__}: {error}"[:2000],
+                      "traceback": "".join(traceback.format_exception(error))[-TRACEBACK_CHARS:],
+                      "time": time.time()})
+    return path
 
 
 @dataclasses.dataclass

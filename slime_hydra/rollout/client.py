@@ -3,7 +3,8 @@
 Rollout code sends ``/generate`` through the router (one ``SGLangClient`` on the router's URL) and control calls
 (abort, pause, weight updates, memory) to each engine directly: sglang-router 0.3.2 answers 404 for
 ``/abort_request``, ``/pause_generation``, ``/update_weights_*`` and ``/get_weight_version``, and fans out only
-``/flush_cache``. The same client class serves both; the engine may be the embedded one or real SGLang.
+``/flush_cache``. The same client class serves both; the engine may be the embedded one or real SGLang. Given the
+run's API key (rollout/auth.py), every call carries it as ``Authorization: Bearer <key>``.
 
 Errors: ``EngineUnavailable`` (nothing answers: refused, reset), ``EngineTimeout`` (no answer within the timeout),
 ``EngineError`` (an answer with an error status, or ``"success": false``); each names the method, URL and the
@@ -18,6 +19,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import aiohttp
 import torch
 
+from slime_hydra.rollout.auth import bearer
 from slime_hydra.weight_transport import encode_named_tensors
 
 Response = dict[str, Any]
@@ -54,11 +56,13 @@ class SGLangClient:
 
     timeout_s: default total time for a call (a long generation counts); each call may override it.
     connect_timeout_s: time to open a connection. max_connections: concurrent connections to this server.
+    api_key: the run's key, sent with every call (None: the server requires none).
     """
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
-                 max_connections: int = 1024):
+                 max_connections: int = 1024, api_key: Optional[str] = None):
         self.base_url = base_url.rstrip("/")
+        self.headers = bearer(api_key)
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
@@ -78,7 +82,8 @@ class SGLangClient:
     def _session_now(self) -> aiohttp.ClientSession:
         # Created lazily: a session belongs to the event loop that is running when it is made.
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_connections))
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_connections),
+                                                  headers=self.headers)
         return self._session
 
     async def request(self, method: str, path: str, payload: Optional[Mapping] = None,

@@ -41,10 +41,12 @@ AWAIT_POLL_S = 0.1
 
 
 class EnginePool:
-    def __init__(self, engines: list, router: Router, health_check_interval_s: float):
+    def __init__(self, engines: list, router: Router, health_check_interval_s: float, api_key: Optional[str] = None):
         """engines: EngineActor handles (already placed); router: not started yet; health_check_interval_s: 0
-        disables the periodic checks (failed requests still trigger one)."""
+        disables the periodic checks (failed requests still trigger one); api_key: the run's key (rollout/auth.py),
+        given to each engine when it starts and sent with every call to it."""
         self.engines = list(engines)
+        self.api_key = api_key
         self.router = router
         self.health_check_interval_s = health_check_interval_s
         self.urls: list[str] = []
@@ -71,11 +73,11 @@ class EnginePool:
     async def start(self) -> list[str]:
         """Start the router and every engine, register the engines, wait until the router sees them healthy."""
         self.router.start()
-        self.urls = list(await asyncio.gather(*[e.start.remote() for e in self.engines]))
+        self.urls = list(await asyncio.gather(*[e.start.remote(self.api_key) for e in self.engines]))
         for url in self.urls:
             self.router.add_worker(url)
         await asyncio.to_thread(self.router.wait_ready, len(self.urls), REGISTER_TIMEOUT_S)
-        self.clients = [SGLangClient(url) for url in self.urls]
+        self.clients = [SGLangClient(url, api_key=self.api_key) for url in self.urls]
         if self.health_check_interval_s > 0:
             self._monitor = asyncio.ensure_future(self._watch())
         return self.urls

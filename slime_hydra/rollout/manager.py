@@ -38,6 +38,9 @@ prompts (c correct of n samples).
 
 Checkpoint: ``state_dict()`` is JSON-safe: the prompt cursor and the buffer.
 
+The run's API key (rollout/auth.py) is made here, once, and written to ``<run_dir>/api_key``: the router and every
+engine require it, and every client of theirs sends it.
+
 ``cfg`` is the run's SlimeConfig; the manager reads its rollout, data, reward, algo.dynamic_filter, mode,
 max_staleness and model.max_position_embeddings slices.
 """
@@ -59,6 +62,7 @@ from slime_hydra.data.source import PromptSource
 from slime_hydra.model.hf import load_tokenizer
 from slime_hydra.net import backoff_s
 from slime_hydra.reward import RewardScorer
+from slime_hydra.rollout.auth import API_KEY_FILE, new_api_key, write_private
 from slime_hydra.rollout.client import EngineError, EngineUnavailable, SGLangClient
 from slime_hydra.rollout.engine_pool import EnginePool
 from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, sampling_params
@@ -106,8 +110,11 @@ class RolloutManager:
         self.reward = RewardScorer(cfg.reward)
         self.generate_fn = get_generate_fn(cfg.rollout.generate)
         self.eval_sets = [self._eval_set(e) for e in cfg.data.eval]
-        self.router = Router(policy=cfg.rollout.router_policy, log_path=self.run_dir / "logs" / "router.log")
-        self.pool = EnginePool(engines, self.router, cfg.rollout.health_check_interval_s)
+        self.api_key = new_api_key()
+        write_private(self.run_dir / API_KEY_FILE, self.api_key)
+        self.router = Router(policy=cfg.rollout.router_policy, log_path=self.run_dir / "logs" / "router.log",
+                             api_key=self.api_key)
+        self.pool = EnginePool(engines, self.router, cfg.rollout.health_check_interval_s, self.api_key)
         self.weights = WeightRelay(self.pool, self.buffer.set_weight_version)
         self.max_context = cfg.model.max_position_embeddings
         self.generate_retries = 0
@@ -129,7 +136,7 @@ class RolloutManager:
     async def start(self) -> list[str]:
         """Start the router and the engines (EnginePool.start); returns the engine URLs."""
         urls = await self.pool.start()
-        self.client = SGLangClient(self.router.url)
+        self.client = SGLangClient(self.router.url, api_key=self.api_key)
         self.slots = asyncio.Semaphore(self.rollout.max_concurrency_per_engine * len(urls))
         self.ctx = RolloutContext(self.rollout, self.client, self.tokenizer, self.max_context)
         return urls

@@ -10,11 +10,19 @@ drops the resulting parser errors from its log), asks it for ``/server_info`` an
 tokenizer for ``model_path`` from the hub (offline: one warning), re-serialises ``/generate`` bodies keeping only the
 fields it knows (a batch cannot carry a list of rids), and passes responses through unchanged.
 
+The API key (rollout/auth.py). Given the run's key, the router requires it on its ``/generate`` and ``/workers``
+calls (sglang-router's ``--api-key``; ``/health`` and ``/readiness`` stay open), every engine is registered with it
+(``POST /workers {"url", "api_key"}``), and the router sends it to that engine on its health checks, info requests and
+every ``/generate`` it forwards. sglang-router takes ``--api-key`` only on its command line, which every local user
+can read, so the process runs ``python -m slime_hydra.rollout.router`` (``main`` below): sglang-router's own argument
+parser and launcher, with the key taken from the environment (``API_KEY_ENV``) and set in-process.
+
 The admin calls here are synchronous (urllib): they are rare, and callers in async code can wrap them in
 ``asyncio.to_thread``.
 """
 
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -24,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from slime_hydra.net import free_port
+from slime_hydra.rollout.auth import API_KEY_ENV, bearer
 from slime_hydra.rollout.config import ROUTER_POLICIES
 from slime_hydra.rollout.engines.process import ManagedProcess, http_status
 
@@ -39,22 +48,28 @@ class Router:
     port / prometheus_port: None picks free ports. policy: a sglang-router load-balancing policy.
     health_check_interval_s: seconds between the router's health checks of each worker (3 failures in a row mark a
     worker unhealthy). log_level: the router's own (debug | info | warn | error). extra_args: more router flags.
+    api_key: the run's key, required by the router and sent to every engine it registers (None: none).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: Optional[int] = None, prometheus_port: Optional[int] = None,
                  policy: str = "round_robin", health_check_interval_s: int = 5, log_level: str = "warn",
                  log_path: Optional[Path] = None, extra_args: Sequence[str] = (),
-                 env: Optional[Mapping[str, str]] = None):
+                 env: Optional[Mapping[str, str]] = None, api_key: Optional[str] = None):
         if policy not in ROUTER_POLICIES:
             raise ValueError(f"policy={policy!r}; choose one of {ROUTER_POLICIES}")
+        self.api_key = api_key
         self.host = host
         self.port = port or free_port(host)
         self.prometheus_port = prometheus_port or free_port(host)
         self.policy = policy
-        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(self.port),
+        argv = [sys.executable, "-m", "slime_hydra.rollout.router", "--host", host, "--port", str(self.port),
                 "--prometheus-host", host, "--prometheus-port", str(self.prometheus_port), "--policy", policy,
                 "--health-check-interval-secs", str(health_check_interval_s), "--log-level", log_level,
                 *extra_args]
+        env = dict(os.environ if env is None else env)
+        env.pop(API_KEY_ENV, None)
+        if api_key:
+            env[API_KEY_ENV] = api_key
         self.process = ManagedProcess(f"router_{self.port}", argv, log_path, env)
 
     @property
@@ -85,8 +100,8 @@ class Router:
 
     def _call(self, method: str, path: str, payload: Optional[dict] = None, timeout_s: float = 10.0):
         data = json.dumps(payload).encode() if payload is not None else None
-        request = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
-                                         headers={"Content-Type": "application/json"} if data else {})
+        headers = {**bearer(self.api_key), **({"Content-Type": "application/json"} if data else {})}
+        request = urllib.request.Request(f"{self.url}{path}", data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as resp:
                 return resp.status, _decode(resp.read())
@@ -104,8 +119,10 @@ class Router:
         return body.get("workers", [])
 
     def add_worker(self, url: str) -> str:
-        """Register an engine URL; return its worker_id (registration finishes in the background: wait_ready)."""
-        status, body = self._call("POST", "/workers", {"url": url})
+        """Register an engine URL; return its worker_id (registration finishes in the background: wait_ready). The
+        router sends the engine the run's key from then on."""
+        worker = {"url": url, "api_key": self.api_key} if self.api_key else {"url": url}
+        status, body = self._call("POST", "/workers", worker)
         if status not in (200, 201, 202) or not isinstance(body, dict) or "worker_id" not in body:
             raise RouterError(f"POST /workers {url} -> {status}: {body}")
         return body["worker_id"]
@@ -162,3 +179,17 @@ def _decode(raw: bytes) -> Any:
         return json.loads(raw) if raw else None
     except ValueError:
         return raw.decode(errors="replace")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m slime_hydra.rollout.router [sglang-router flags]``: run sglang-router (its own parser and launcher)
+    with ``--api-key`` taken from ``API_KEY_ENV`` instead of the command line; serves until stopped."""
+    from sglang_router.launch_router import launch_router, parse_router_args
+
+    args = parse_router_args(list(sys.argv[1:] if argv is None else argv))
+    args.api_key = os.environ.pop(API_KEY_ENV, None) or None
+    launch_router(args)
+
+
+if __name__ == "__main__":
+    main()

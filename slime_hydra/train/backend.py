@@ -134,6 +134,20 @@ def rng_state() -> dict:
     return state
 
 
+NUMPY_ARRAY_GLOBALS = (np.zeros(0).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32)))
+"""What rebuilding NumPy's RNG key (a uint32 array) from a checkpoint needs: numpy's array-reconstruction function
+(wherever this numpy keeps it), the array and dtype classes. Numeric arrays only; nothing here runs other code."""
+
+
+def load_rank_file(path: str | Path, map_location=None) -> dict:
+    """A checkpoint file this trainer wrote with ``torch.save`` (tensors, optimizer state, ``rng_state``), loaded
+    with ``weights_only=True``: no arbitrary pickle, so a tampered checkpoint cannot run code. The only globals
+    allowed beyond torch's own are ``NUMPY_ARRAY_GLOBALS`` (added to torch's allowlist for this process:
+    ``add_safe_globals`` exists from torch 2.4, the ``safe_globals`` context only from 2.5)."""
+    torch.serialization.add_safe_globals(list(NUMPY_ARRAY_GLOBALS))
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
 def set_rng_state(state: dict) -> None:
     """Inverse of ``rng_state``."""
     random.setstate(state["python"])

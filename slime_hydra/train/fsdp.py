@@ -41,7 +41,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, response_logprobs, response_values)
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, compile_options, rng_state, set_rng_state
+from slime_hydra.train.backend import (
+    LossFn, StepMetrics, TrainBackend, compile_options, load_rank_file, rng_state, set_rng_state,
+)
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.optim import build_optimizer
@@ -200,11 +202,14 @@ class FSDPBackend(TrainBackend):
             raise ValueError(f"checkpoint {ckpt_dir} was saved by {meta['world']} ranks, this run has {self.world}")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        # Not weights_only, and not ours to change: torch.distributed.checkpoint's reader unpickles its .metadata
+        # file and loads non-tensor entries (the optimizer's param_groups) with weights_only=False (torch 2.13), so
+        # the dcp/ folder must be trusted like code. The per-rank file below is loaded weights_only.
         dcp.load(state, checkpoint_id=str(ckpt_dir / "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(meta["scheduler"])
         self.step = meta["step"]
-        local = torch.load(ckpt_dir / f"rank{dist.get_rank()}.pt", weights_only=False)
+        local = load_rank_file(ckpt_dir / f"rank{dist.get_rank()}.pt")
         set_rng_state(local["rng"])
         self._ref_shards = pinned(local["ref"])
 

@@ -19,6 +19,7 @@ from slime_hydra.config import compose, to_config
 from slime_hydra.config.derive import derive
 from slime_hydra.loop import Session, _init_ray
 from slime_hydra.model.warm_start import resolve_model_path
+from slime_hydra.rollout.auth import read_api_key
 from slime_hydra.tracking.phases import StepTimer
 from tests.loop.test_weight_sync import engine_logprobs, trainer_logprobs
 
@@ -44,7 +45,7 @@ def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype):
     node = _init_ray(cfg, tmp_path)
     session = Session(cfg, derive(cfg), tmp_path / "r", resolve_model_path(cfg.model, cfg.data, cfg.seed))
     try:
-        url = session.engine_urls[0]
+        url, key = session.engine_urls[0], read_api_key(session.run_dir)
         gaps = {}
         for step in range(2):
             timer = StepTimer()
@@ -59,7 +60,7 @@ def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype):
             assert gap(trained_before, trained)[1] > 1e-4      # the step moved the policy
             session.hand_gpus_to("both", timer)                # engine weights resumed for the sync
             session.trainer.push_weights(step + 1)             # CUDA IPC
-            after, version = engine_logprobs(url)
+            after, version = engine_logprobs(url, key)
             assert version == str(step + 1)
             gaps[f"sync_{step}"] = gap(after, trained)
         print({k: (f"{m:.2e}", f"{x:.2e}") for k, (m, x) in gaps.items()})

@@ -16,6 +16,7 @@ from slime_hydra.config.derive import derive
 from slime_hydra.loop import Session, _init_ray
 from slime_hydra.model.warm_start import resolve_model_path
 from slime_hydra.tracking.phases import StepTimer
+from slime_hydra.rollout.auth import read_api_key
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.train.batch import collate
 
@@ -34,9 +35,9 @@ def ray_local(tmp_path_factory):
         ray.shutdown()
 
 
-def engine_logprobs(url: str) -> tuple[list[float], str]:
+def engine_logprobs(url: str, api_key: str) -> tuple[list[float], str]:
     async def ask():
-        async with SGLangClient(url) as client:
+        async with SGLangClient(url, api_key=api_key) as client:
             out = await client.generate(SEQUENCE, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
             return [x[0] for x in out["meta_info"]["input_token_logprobs"][1:]], await client.get_weight_version()
     return asyncio.run(ask())
@@ -59,8 +60,8 @@ def test_engine_holds_the_trainer_weights_after_sync(ray_local, tmp_path, overri
     node = _init_ray(cfg, tmp_path)
     session = Session(cfg, derive(cfg), Path(tmp_path) / "r", resolve_model_path(cfg.model, cfg.data, cfg.seed))
     try:
-        url = session.engine_urls[0]
-        before, version = engine_logprobs(url)
+        url, key = session.engine_urls[0], read_api_key(session.run_dir)
+        before, version = engine_logprobs(url, key)
         assert version == "0"
         assert max(abs(a - b) for a, b in zip(before, trainer_logprobs(session))) < 1e-5
         samples, _ = session.rollout_phase(0, StepTimer())
@@ -68,7 +69,7 @@ def test_engine_holds_the_trainer_weights_after_sync(ray_local, tmp_path, overri
         trained = trainer_logprobs(session)
         assert max(abs(a - b) for a, b in zip(before, trained)) > 1e-4     # the step changed the policy
         metrics = session.trainer.push_weights(1)
-        after, version = engine_logprobs(url)
+        after, version = engine_logprobs(url, key)
         assert version == "1" and metrics["sync/bytes"] > 0
         assert max(abs(a - b) for a, b in zip(after, trained)) < 1e-5
     finally:

@@ -23,6 +23,7 @@ import pytest
 import ray
 
 from slime_hydra.model.warm_start import resolve_model_path
+from slime_hydra.rollout.auth import read_api_key
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines.embedded.server import read_checkpoint
 from slime_hydra.weight_transport import dtype_name
@@ -42,9 +43,9 @@ def local_ray(tmp_path_factory):
     ray.shutdown()
 
 
-async def _engine_info(urls: list[str]) -> list[dict]:
+async def _engine_info(urls: list[str], api_key: str) -> list[dict]:
     async def one(url):
-        async with SGLangClient(url) as c:
+        async with SGLangClient(url, api_key=api_key) as c:
             info = await c.server_info()
             greedy = await c.generate([5, 6, 7, 8], {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
             return {"tokens": info["internal_states"][0]["generated_tokens"], "greedy": greedy["output_ids"],
@@ -52,9 +53,9 @@ async def _engine_info(urls: list[str]) -> list[dict]:
     return list(await asyncio.gather(*[one(u) for u in urls]))
 
 
-async def _wait_running(url: str, timeout_s: float = 60.0) -> None:
+async def _wait_running(url: str, api_key: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    async with SGLangClient(url) as c:
+    async with SGLangClient(url, api_key=api_key) as c:
         while (await c.get_load())[0]["num_reqs"] == 0:
             assert time.monotonic() < deadline, f"no request reached {url} within {timeout_s} s"
             await asyncio.sleep(0.01)
@@ -73,18 +74,19 @@ def _close_every_connection(sock: socket.socket) -> None:
 def test_engine_killed_mid_rollout_is_restarted_and_loses_nothing(tmp_path):
     cfg = manager_config(tmp_path, *SHAPE)
     manager, engines, urls = start_manager(cfg, tmp_path / "r")
+    key = read_api_key(tmp_path / "r")
     try:
-        initial = asyncio.run(_engine_info(urls))
+        initial = asyncio.run(_engine_info(urls, key))
         other = read_checkpoint(str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 1)))
         ray.get(manager.begin_weight_update.remote())
         ray.get(manager.update_weights_from_tensor.remote(other, 1))
         ray.get(manager.finish_weight_update.remote(1))
-        synced = asyncio.run(_engine_info(urls))
+        synced = asyncio.run(_engine_info(urls, key))
         assert synced[0]["greedy"] == synced[1]["greedy"] != initial[0]["greedy"]  # new weights, both engines
 
         old_pid = ray.get(engines[1].pid.remote())
         future = manager.generate_batch.remote()
-        asyncio.run(_wait_running(urls[1]))
+        asyncio.run(_wait_running(urls[1], key))
         os.kill(old_pid, signal.SIGKILL)
         started = time.monotonic()
         first = ray.get(future, timeout=180)
@@ -110,12 +112,12 @@ def test_engine_killed_mid_rollout_is_restarted_and_loses_nothing(tmp_path):
         assert [(e["up"], e["in_router"], e["router_healthy"]) for e in status] == [(True, True, True)] * 2
         assert ray.get(engines[1].alive.remote()) and ray.get(engines[1].pid.remote()) != old_pid
         assert ray.get(manager.engine_weight_versions.remote()) == ["1", "1"]
-        back = asyncio.run(_engine_info(urls))
+        back = asyncio.run(_engine_info(urls, key))
         assert back[1]["greedy"] == back[0]["greedy"] == synced[0]["greedy"]  # the replayed weights, not initial
 
         # the next batch uses both engines and new prompts
         second = ray.get(manager.generate_batch.remote(), timeout=180)
-        after = asyncio.run(_engine_info(urls))
+        after = asyncio.run(_engine_info(urls, key))
         assert after[0]["tokens"] > back[0]["tokens"] and after[1]["tokens"] > back[1]["tokens"]
         assert len(second["samples"]) == 32
         assert not {s["index"] for s in second["samples"]} & {s["index"] for s in samples}
@@ -217,11 +219,12 @@ def test_broadcast_group_is_formed_again_after_a_restart(tmp_path):
     cfg = manager_config(tmp_path, "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2",
                          "rollout.health_check_interval_s=0.5")
     manager, engines, urls = start_manager(cfg, tmp_path / "r")
+    key = read_api_key(tmp_path / "r")
     try:
         other = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 1))
-        initial = asyncio.run(_engine_info(urls))
+        initial = asyncio.run(_engine_info(urls, key))
         _broadcast_sync(manager, other, 1, world_size=3)
-        synced = asyncio.run(_engine_info(urls))
+        synced = asyncio.run(_engine_info(urls, key))
         assert synced[0]["greedy"] == synced[1]["greedy"] != initial[0]["greedy"]
         assert not ray.get(manager.weight_group_stale.remote())
 
@@ -241,7 +244,7 @@ def test_broadcast_group_is_formed_again_after_a_restart(tmp_path):
         assert [(e["up"], e["in_router"]) for e in status] == [(True, True)] * 2
         assert ray.get(manager.engine_weight_versions.remote()) == ["2", "2"]
         assert not ray.get(manager.weight_group_stale.remote())
-        back = asyncio.run(_engine_info(urls))
+        back = asyncio.run(_engine_info(urls, key))
         assert back[0]["greedy"] == back[1]["greedy"] not in (initial[0]["greedy"], synced[0]["greedy"])
         assert len(ray.get(manager.generate_batch.remote(), timeout=180)["samples"]) == 4
     finally:

@@ -16,6 +16,7 @@ import pytest
 import ray
 
 from slime_hydra.config import PROJECT_ROOT
+from slime_hydra.rollout.auth import read_api_key
 from slime_hydra.rollout.client import SGLangClient
 from tests.rollout.helpers import manager_config, start_manager
 
@@ -47,9 +48,9 @@ def local_ray(tmp_path_factory):
     ray.shutdown()
 
 
-async def _requests_in_flight(urls: list[str]) -> list[int]:
+async def _requests_in_flight(urls: list[str], api_key: str) -> list[int]:
     async def one(url):
-        async with SGLangClient(url) as c:
+        async with SGLangClient(url, api_key=api_key) as c:
             return (await c.get_load())[0]["num_reqs"]
     return list(await asyncio.gather(*[one(u) for u in urls]))
 
@@ -61,7 +62,7 @@ def _groups(samples: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
-def _first_batch(manager, urls) -> dict:
+def _first_batch(manager, urls, key) -> dict:
     """The first batch, checked the same way for both settings; returns its metrics.
 
     Which groups finish first depends on the machine's load (CI saw group 3 finish before group 2), so this checks
@@ -78,15 +79,16 @@ def _first_batch(manager, urls) -> dict:
     unfinished = m.get("rollout/buffer/recycled", 0) + m.get("rollout/buffer/aborted_discarded", 0)
     assert filtered in (0, 1) and m["rollout/buffer/kept"] + filtered + unfinished == 6
     assert m["rollout/aborts"] == 1
-    assert asyncio.run(_requests_in_flight(urls)) == [0, 0]
+    assert asyncio.run(_requests_in_flight(urls, key)) == [0, 0]
     return m
 
 
 def test_partial_rollout_recycles_aborted_groups_and_continues_them(tmp_path):
     cfg = manager_config(tmp_path, *SHAPE, "rollout.partial_rollout=true")
     manager, _, urls = start_manager(cfg, tmp_path / "r")
+    key = read_api_key(tmp_path / "r")
     try:
-        m = _first_batch(manager, urls)
+        m = _first_batch(manager, urls, key)
         recycled = m["rollout/buffer/recycled"]
         pending = {g[0]["group_index"]: g for g in ray.get(manager.state_dict.remote())["buffer"]["pending"]}
         assert len(pending) == recycled >= 1  # groups generating at the abort, and those never started
@@ -121,7 +123,7 @@ def test_partial_rollout_recycles_aborted_groups_and_continues_them(tmp_path):
             before = partial[index]
             assert s["tokens"][:len(before["tokens"])] == before["tokens"]
             assert s["rollout_log_probs"][:before["response_length"]] == before["rollout_log_probs"]
-        assert asyncio.run(_requests_in_flight(urls)) == [0, 0]
+        assert asyncio.run(_requests_in_flight(urls, key)) == [0, 0]
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
 
@@ -129,8 +131,9 @@ def test_partial_rollout_recycles_aborted_groups_and_continues_them(tmp_path):
 def test_without_partial_rollout_aborted_groups_are_dropped(tmp_path):
     cfg = manager_config(tmp_path, *SHAPE, "rollout.partial_rollout=false")
     manager, _, urls = start_manager(cfg, tmp_path / "r")
+    key = read_api_key(tmp_path / "r")
     try:
-        m = _first_batch(manager, urls)
+        m = _first_batch(manager, urls, key)
         assert m["rollout/buffer/aborted_discarded"] >= 1 and "rollout/buffer/recycled" not in m
         assert ray.get(manager.state_dict.remote())["buffer"]["pending"] == []
         first_groups = set(range(6))
@@ -139,6 +142,6 @@ def test_without_partial_rollout_aborted_groups_are_dropped(tmp_path):
         leftover = m["rollout/buffer/kept"] - 2
         reused = [g for g in _groups(second["samples"]) if g in first_groups]
         assert len(reused) <= leftover and all(g >= 6 for g in _groups(second["samples"]) if g not in reused)
-        assert asyncio.run(_requests_in_flight(urls)) == [0, 0]
+        assert asyncio.run(_requests_in_flight(urls, key)) == [0, 0]
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)

@@ -7,19 +7,26 @@ embedded engine, which speaks the same protocol.
 """
 
 import asyncio
+import stat
 import sys
+from pathlib import Path
 
 import pytest
 import ray
+import yaml
 from ray.util.placement_group import placement_group
 
 from slime_hydra.config import ConfigError, collect_problems, compose, derive, to_config
+from slime_hydra.rollout.auth import API_KEY_ENV, new_api_key
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines import ServerProcess
 from slime_hydra.rollout.engines.actor import EngineActor, engine_gpu_ids
 from slime_hydra.launch.sglang_commands import main
 from slime_hydra.options import snapshot
-from slime_hydra.rollout.engines.sglang import SGLangLaunch, engine_commands, launch_for, render_options
+from slime_hydra.rollout.engines.sglang import (
+    SGLangLaunch, api_key_config, engine_commands, launch_for, render_options,
+)
+from slime_hydra.rollout.router import Router
 from tests.rollout.helpers import build_model
 
 BASE = ["python", "-m", "sglang.launch_server", "--model-path", "/ckpt/q", "--tokenizer-path", "/ckpt/q",
@@ -118,6 +125,20 @@ def test_owned_keys_refused_naming_the_owner():
         "(set by every weight sync) instead",
         "[rollout.sglang.model_path] 'model_path' is owned by the platform; use model.path instead",
     ]
+    assert problem_lines({"api_key": "k", "admin_api_key": "a"}) == [
+        "[rollout.sglang.api_key] 'api_key' is owned by the platform; use the run's own key (rollout/auth.py: "
+        "generated per run, given through --config) instead",
+        "[rollout.sglang.admin_api_key] 'admin_api_key' is owned by the platform; use the run's own key "
+        "(rollout/auth.py: an admin key would lock the trainer out of weight updates) instead",
+    ]
+
+
+def test_several_tokenizer_workers_refused():
+    """SGLang 0.5.23 asserts that no API key is set in multi-tokenizer mode, and every engine gets the run's key."""
+    assert problem_lines({"tokenizer_worker_num": 2}) == [
+        "[rollout.sglang.tokenizer_worker_num] SGLang 0.5.23 refuses an API key with several tokenizer workers, and "
+        "every engine of a run requires the run's key; remove rollout.sglang.tokenizer_worker_num (1 worker)"]
+    assert render_options({"tokenizer_worker_num": 1}) == ["--tokenizer-worker-num", "1"]
 
 
 def test_bad_values_refused_with_the_fix():
@@ -181,7 +202,7 @@ def test_cli_prints_every_engine(capsys):
         "# engine 0 of 1 (2 GPUs of the placement; CUDA_VISIBLE_DEVICES set from Ray)\n"
         "python -m sglang.launch_server --model-path /ckpt/Qwen2.5-0.5B --tokenizer-path /ckpt/Qwen2.5-0.5B "
         "--host $HOST --port $PORT --nccl-port $NCCL_PORT --tp-size 2 --dtype bfloat16 --random-seed 42 "
-        "--context-length 128 --weight-version 0 --mem-fraction-static 0.7\n")
+        "--context-length 128 --weight-version 0 --config $API_KEY_CONFIG --mem-fraction-static 0.7\n")
     assert main(["rollout.num_gpus=1"]) == 2
     assert "rollout.backend=embedded starts no SGLang servers; add rollout=sglang" in capsys.readouterr().err
 
@@ -260,3 +281,37 @@ def test_sglang_command_through_server_process_reports_the_failure(tmp_path):
     assert message.endswith("Error while finding module specification for 'sglang.launch_server' "
                             "(ModuleNotFoundError: No module named 'sglang')\n")
     assert (tmp_path / "engine_0.log").read_text().splitlines()[0] == "$ " + " ".join(argv)
+
+
+# ---- the API key -----------------------------------------------------------------------------------------------------
+
+def test_the_key_reaches_sglang_in_a_private_config_file(tmp_path):
+    """The actor starts the SGLang command (it exits here: no sglang) with --config naming a 0600 YAML file in a 0700
+    directory; reading it as SGLang's --config does (yaml.safe_load, each key an option) gives --api-key <key>."""
+    key = new_api_key()
+    actor = EngineActor(0, "/ckpt/q", str(tmp_path / "logs"), sglang=launch(options={"mem_fraction_static": 0.7}),
+                        gpu_ids=["0"])
+    with pytest.raises(RuntimeError, match="No module named 'sglang'"):
+        actor.start(key, timeout_s=60)
+    first = (tmp_path / "logs" / "engine_0.log").read_text().splitlines()[0]
+    argv = first.removeprefix("$ ").split(" ")
+    config = Path(argv[argv.index("--config") + 1])
+    assert argv[argv.index("--config") - 1] == "0" and argv[-2:] == ["--mem-fraction-static", "0.7"]
+    assert key not in first and API_KEY_ENV not in actor._env(["0"])
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600 and stat.S_IMODE(config.parent.stat().st_mode) == 0o700
+    assert config.suffix == ".yaml" and yaml.safe_load(config.read_text()) == {"api_key": key}
+    actor.stop()
+    assert not config.parent.exists()
+
+
+@pytest.mark.parametrize("key", ["0e12", "null", "- a", "a: b # c", "'\"", "123"])
+def test_the_config_file_keeps_any_key_a_string(key):
+    assert yaml.safe_load(api_key_config(key)) == {"api_key": key}
+
+
+def test_the_router_gets_the_key_from_its_environment(tmp_path):
+    key = new_api_key()
+    router = Router(log_path=tmp_path / "router.log", api_key=key, env={API_KEY_ENV: "inherited", "PATH": "/bin"})
+    assert router.process.argv[1:3] == ["-m", "slime_hydra.rollout.router"] and key not in router.process.argv
+    assert router.process.env == {"PATH": "/bin", API_KEY_ENV: key}
+    assert API_KEY_ENV not in Router(log_path=tmp_path / "router.log", env={API_KEY_ENV: "inherited"}).process.env

@@ -5,6 +5,7 @@ default loop under SLURM is the last test (skipped until slime_hydra.loop exists
 """
 
 import json
+import pickle
 import shlex
 import subprocess
 import sys
@@ -133,12 +134,20 @@ def test_cancelled_job_shows_cancelled_and_nothing_waits_forever(tmp_path):
     wait_until(lambda: not ray_processes(job.job_id), 20, "the cancelled job's Ray processes to exit")
 
 
-def test_failed_job_shows_failed_with_its_reason(tmp_path):
+def test_failed_job_shows_failed_with_its_reason(tmp_path, monkeypatch):
+    """The reason comes from the task's JSON error record; status unpickles nothing (pickle refuses meanwhile)."""
     job = submit_body(tmp_path, "fail", "crash")
     wait_until(lambda: job.job.done(), 90, "the job to end")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("status unpickled a file")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
     run = wait_until(lambda: (lambda s: s if s.state == "FAILED" else None)(state_of(tmp_path / "fail")), 30,
                      "status to report FAILED")
-    assert "deliberate crash in the job body" in run.reason
+    assert run.reason == "RuntimeError: deliberate crash in the job body"
+    assert (job.folder / f"{job.job_id}_0_error.json").exists()
 
 
 def test_time_limit_signal_requeues_and_the_job_resumes(tmp_path):

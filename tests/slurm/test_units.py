@@ -1,10 +1,13 @@
 """The SLURM pieces that need no SLURM: node accounting, the Ray environment, ports, status parsing."""
 
 import json
+import os
+import pickle
 
 from slime_hydra import status
 from slime_hydra.cluster.config import ClusterConfig
 from slime_hydra.cluster.ray_cluster import head_port, missing_nodes, ray_process_env, temp_dir_for
+from slime_hydra.launch.submit import record_failure
 
 
 def test_missing_nodes_names_the_hosts_that_did_not_join():
@@ -60,3 +63,77 @@ def test_status_reads_local_runs(tmp_path, capsys):
     assert status.main([str(tmp_path)]) == 0 and "step_000004" in capsys.readouterr().out
     (tmp_path / "empty").mkdir()
     assert status.main([str(tmp_path / "empty")]) == 1 and "no runs" in capsys.readouterr().err
+
+
+class RunsCode:
+    """Unpickling this creates a directory: what any code in a result pickle could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def failed(error: BaseException) -> BaseException:
+    try:
+        raise error
+    except type(error) as raised:
+        return raised
+
+
+def test_a_failed_job_shows_its_error_without_unpickling_anything(tmp_path, monkeypatch):
+    """A FAILED job (sacct answers from a stand-in: no SLURM here) shows the error its task recorded as JSON, else
+    the last line of rank 0's stderr log, else SLURM's exit code; the result pickle beside them, which would run
+    code if loaded, is never loaded (pickle refuses during the calls)."""
+    run, folder, bin_dir = tmp_path / "run", tmp_path / "run" / "slurm" / "20240101", tmp_path / "bin"
+    folder.mkdir(parents=True)
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho '7|FAILED|1:0|None'\n")
+    (bin_dir / "sacct").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    stderr = folder / "7_0_log.err"
+    (run / "job.json").write_text(json.dumps({"job_id": "7", "submitit_folder": str(folder),
+                                              "stdout": str(folder / "7_0_log.out"), "stderr": str(stderr)}))
+    (folder / "7_0_result.pkl").write_bytes(pickle.dumps(("error", RunsCode(tmp_path / "unpickled"))))
+    # the job's side: each task writes its record where submitit's JobEnvironment says
+    for rank in (2, 0):
+        monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+        monkeypatch.setenv("SUBMITIT_FOLDER", str(folder))
+        monkeypatch.setenv("SLURM_JOB_ID", "7")
+        monkeypatch.setenv("SLURM_PROCID", str(rank))
+        record_failure(failed(RuntimeError(f"rank {rank} broke\nsecond line")))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("status unpickled a file")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+
+    def reason() -> str:
+        (job,) = status.collect(run)
+        assert job.state == "FAILED"
+        return job.reason
+
+    assert reason() == "RuntimeError: rank 0 broke"
+    (folder / "7_0_error.json").unlink()
+    assert reason() == "rank 2: RuntimeError: rank 2 broke"
+    (folder / "7_2_error.json").write_text('{"rank": 2, "err')  # cut short: the log is read instead
+    stderr.write_text("Traceback (most recent call last):\n  ...\nMemoryError: out of host memory\n\n"
+                      "srun: error: node1: task 0: Exited with exit code 1\n")
+    assert reason() == "MemoryError: out of host memory"
+    stderr.unlink()
+    assert reason() == "exit code 1:0"
+    assert not (tmp_path / "unpickled").exists()
+
+
+def test_the_error_record_is_json_with_the_traceback(tmp_path, monkeypatch):
+    for key, value in {"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_FOLDER": str(tmp_path), "SLURM_JOB_ID": "9_3",
+                       "SLURM_ARRAY_JOB_ID": "9", "SLURM_ARRAY_TASK_ID": "3", "SLURM_PROCID": "1"}.items():
+        monkeypatch.setenv(key, value)
+    path = record_failure(failed(ValueError("bad")))
+    record = json.loads(path.read_text())
+    assert path == tmp_path / "9_3_1_error.json"
+    assert (record["job_id"], record["rank"], record["error"]) == ("9_3", 1, "ValueError: bad")
+    assert record["traceback"].startswith("Traceback (most recent call last):")
+    assert record["traceback"].endswith("ValueError: bad\n")

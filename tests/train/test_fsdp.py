@@ -1,10 +1,14 @@
 """train=fsdp on CPU with gloo: exact DP / micro-batch invariance, logprob alignment, reference policy, checkpoint
 resume, HF export. Functions run on spawned ranks must be module-level (pickled by name)."""
 
+import os
+import pickle
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from slime_hydra.train.backend import load_rank_file, rng_state, set_rng_state
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.fsdp import FSDPBackend
 from tests.train.harness import assert_policy_logprobs, pg_loss, run_ranks, tiny_checkpoint, toy_batch
@@ -115,6 +119,33 @@ def test_checkpoint_resume_reproduces_the_next_steps_exactly(tmp_path, world):
     resumed = run_ranks(world, _run_with_checkpoint, path, tmp_path / "ckpt", "resume")[0]  # a fresh process group
     assert first == full[:2]
     assert resumed == full[2:]  # bitwise equal losses after resume, and the step counter continued (4)
+
+
+class RunsCode:
+    """Unpickling this creates a directory: what any code in a tampered checkpoint could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_rank_files_load_weights_only(tmp_path):
+    """A rank file (RNG states, NumPy's included, and tensors) round-trips through load_rank_file; one holding any
+    other object is refused without running it."""
+    state = {"rng": rng_state(), "ref": {"w": torch.arange(6.0).reshape(2, 3)}}
+    torch.save(state, tmp_path / "rank0.pt")
+    loaded = load_rank_file(tmp_path / "rank0.pt")
+    assert torch.equal(loaded["ref"]["w"], state["ref"]["w"]) and loaded["rng"]["python"] == state["rng"]["python"]
+    assert (loaded["rng"]["numpy"][0], loaded["rng"]["numpy"][2:]) == (state["rng"]["numpy"][0],
+                                                                     state["rng"]["numpy"][2:])
+    assert (loaded["rng"]["numpy"][1] == state["rng"]["numpy"][1]).all()
+    set_rng_state(loaded["rng"])
+    torch.save({"rng": rng_state(), "ref": RunsCode(tmp_path / "ran")}, tmp_path / "rank1.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_rank_file(tmp_path / "rank1.pt")
+    assert not (tmp_path / "ran").exists()
 
 
 def _export(rank, world, path, out):

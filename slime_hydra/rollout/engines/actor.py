@@ -7,24 +7,31 @@ that many consecutive one-GPU bundles: ``engine_gpu_ids`` asks each bundle which
 per bundle, before the engines start) and refuses an engine whose bundles landed on different nodes. On a CPU-only
 machine the bundle is ``{CPU: 1}`` and the engine runs on the CPU.
 
-    actor.start() -> url     actor.restart() -> url (same ports)     actor.alive() -> bool     actor.stop()
+    actor.start(api_key) -> url   actor.restart() -> url (same ports, same key)   actor.alive() -> bool   actor.stop()
 
 Which server: the embedded engine (``sglang=None``, ``rollout=embedded``), or real SGLang (an ``SGLangLaunch``,
 ``rollout=sglang``: ``python -m sglang.launch_server ...`` rendered by ``engines/sglang.py``; it needs the
 ``sglang`` extra on a GPU node). Both run through the same ``ServerProcess``: same log file
 (``<log_dir>/engine_<index>.log``, first line the command), same readiness check (``GET /health_generate``), same
 stop (SIGTERM, then SIGKILL, to the server's process group).
+
+The run's API key (rollout/auth.py) reaches the server off its command line: the embedded engine reads it from its
+environment, SGLang from a YAML file named by ``--config`` that the actor writes with mode 0600 in a private
+directory of its own (``tempfile.mkdtemp``: mode 0700) on the engine's node, and removes when the server stops.
 """
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Optional
 
 import ray
 
 from slime_hydra.net import free_port
+from slime_hydra.rollout.auth import API_KEY_ENV, write_private
 from slime_hydra.rollout.engines.process import ServerProcess, embedded_command
-from slime_hydra.rollout.engines.sglang import SGLangLaunch
+from slime_hydra.rollout.engines.sglang import SGLangLaunch, api_key_config
 
 EMBEDDED_START_TIMEOUT_S = 300.0
 """Seconds an embedded engine may take to load and answer /health_generate."""
@@ -47,9 +54,15 @@ class EngineActor:
         self.process: Optional[ServerProcess] = None
         self.port: Optional[int] = None
         self.nccl_port: Optional[int] = None
+        self.api_key: Optional[str] = None
+        """The run's key the server requires (set by ``start``, kept for restarts)."""
+        self._key_dir: Optional[str] = None
 
     def _env(self, gpu_ids: list[str]) -> dict:
         env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        if self.api_key and self.sglang is None:
+            env[API_KEY_ENV] = self.api_key
         if gpu_ids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
         if self.torch_threads:
@@ -67,11 +80,19 @@ class EngineActor:
                                f"--tp-size {self.sglang.tp_size} (rollout.gpus_per_engine): the engine actor must "
                                f"be given exactly rollout.gpus_per_engine GPUs")
         self.nccl_port = self.nccl_port or free_port(host)
-        return self.sglang.command(self.index, host, self.port, self.nccl_port)
+        return self.sglang.command(self.index, host, self.port, self.nccl_port, config=self._sglang_config())
 
-    def start(self, timeout_s: Optional[float] = None) -> str:
-        """Start the server and return its URL once /health_generate answers 200 (timeout_s: default
-        EMBEDDED_START_TIMEOUT_S or SGLANG_START_TIMEOUT_S)."""
+    def _sglang_config(self) -> Optional[str]:
+        """The private YAML file that gives SGLang the key (None without a key)."""
+        if not self.api_key:
+            return None
+        self._key_dir = self._key_dir or tempfile.mkdtemp(prefix=f"slime_hydra_engine_{self.index}_")
+        return str(write_private(Path(self._key_dir) / "api_key.yaml", api_key_config(self.api_key)))
+
+    def start(self, api_key: Optional[str] = None, timeout_s: Optional[float] = None) -> str:
+        """Start the server and return its URL once /health_generate answers 200. api_key: the run's key the server
+        will require (None: none); timeout_s: default EMBEDDED_START_TIMEOUT_S or SGLANG_START_TIMEOUT_S."""
+        self.api_key = api_key
         gpu_ids = self.gpu_ids if self.gpu_ids is not None else _gpu_ids()
         host = ray.util.get_node_ip_address() if ray.is_initialized() and not _local_only() else "127.0.0.1"
         argv = self.command(host, gpu_ids)
@@ -87,9 +108,9 @@ class EngineActor:
         return self.process.url
 
     def restart(self, timeout_s: Optional[float] = None) -> str:
-        """Stop whatever is left of the server and start a fresh one on the same port (initial weights)."""
+        """Stop whatever is left of the server and start a fresh one on the same port and key (initial weights)."""
         self.stop()
-        return self.start(timeout_s)
+        return self.start(self.api_key, timeout_s)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.alive
@@ -107,6 +128,9 @@ class EngineActor:
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
+        if self._key_dir is not None:
+            shutil.rmtree(self._key_dir, ignore_errors=True)
+            self._key_dir = None
 
 
 def engine_gpu_ids(pg, first_bundle: int, num_engines: int, gpus_per_engine: int) -> list[list[str]]:

@@ -17,6 +17,7 @@ What the platform sets on every engine (``SGLANG_OWNED`` below refuses them in `
     --context-length                  data.max_prompt_tokens + the largest response budget (rollout and eval sets)
     --weight-version                  the policy version the engine starts with ("0": the initial weights)
     --enable-memory-saver             cluster.colocate (engines release GPU memory while the trainer runs)
+    --config FILE                     a YAML file holding ``api_key``: the run's key (rollout/auth.py)
 
 then every ``rollout.sglang`` option, in the order written, rendered from its snapshot entry the way SGLang's
 argparse parser reads it back:
@@ -32,16 +33,24 @@ argparse parser reads it back:
 - scalars are one flag and one value, checked against the snapshot's type and choices; ``null`` leaves SGLang's
   default (the option is not rendered).
 
+The API key. SGLang 0.5.23 reads ``--api-key`` from its command line, where every local user could read it
+(``/proc/<pid>/cmdline``), and has no environment variable for it; but ``--config FILE.yaml`` (``prepare_server_args``:
+the file's keys become arguments in-process, before the command line's) takes any option, so the key goes in such a
+file, written with mode 0600 by the engine actor (``api_key_config``). With ``api_key`` set SGLang answers 401 on
+every endpoint but ``/health*`` and ``/metrics*``, weight updates and memory release included (they are
+``ADMIN_OPTIONAL``: ``admin_api_key`` would take over, so the platform owns that option too).
+
 ``python -m slime_hydra.launch.sglang_commands [hydra overrides...]`` prints the command of every engine the
-config would start (host and ports appear as ``$HOST``, ``$PORT``, ``$NCCL_PORT``: they are picked at start);
-``python launch.py rollout=sglang ... dry_run=true`` prints them too, in the plan.
+config would start (host and ports appear as ``$HOST``, ``$PORT``, ``$NCCL_PORT``: they are picked at start; the key
+file as ``$API_KEY_CONFIG``: it is written at start); ``python launch.py rollout=sglang ... dry_run=true`` prints
+them too, in the plan.
 """
 
 import json
 import shlex
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Union
+from typing import Any, Iterator, Optional, Union
 
 from slime_hydra.options import ConfigError, Problem, passthrough_problems, snapshot
 
@@ -69,6 +78,8 @@ SGLANG_OWNED = {  # the ServerArgs fields each engine gets from the platform (th
     "dist_init_addr": PLACEMENT,
     "nnodes": PLACEMENT,
     "node_rank": PLACEMENT,
+    "api_key": "the run's own key (rollout/auth.py: generated per run, given through --config)",
+    "admin_api_key": "the run's own key (rollout/auth.py: an admin key would lock the trainer out of weight updates)",
 }
 
 
@@ -107,9 +118,11 @@ class SGLangLaunch:
     """rollout.sglang passthrough options (ServerArgs field name -> value), rendered after the platform's flags."""
 
     def command(self, index: int, host: str, port: Port, nccl_port: Port,
-                weight_version: str = INITIAL_WEIGHT_VERSION, python: str = sys.executable) -> list[str]:
-        """The argv of engine ``index``: ``python -m sglang.launch_server ...``; ConfigError if an option cannot be
-        rendered (every problem named by its rollout.sglang key)."""
+                weight_version: str = INITIAL_WEIGHT_VERSION, python: str = sys.executable,
+                config: Optional[str] = None) -> list[str]:
+        """The argv of engine ``index``: ``python -m sglang.launch_server ...``; config: the YAML file with the run's
+        key (``api_key_config``; None: no key). ConfigError if an option cannot be rendered (every problem named by
+        its rollout.sglang key)."""
         argv = [python, "-m", SGLANG_MODULE,
                 "--model-path", self.model_path, "--tokenizer-path", self.model_path,
                 "--host", host, "--port", str(port), "--nccl-port", str(nccl_port),
@@ -118,7 +131,15 @@ class SGLangLaunch:
                 "--weight-version", weight_version]
         if self.memory_saver:
             argv.append("--enable-memory-saver")
+        if config is not None:
+            argv += ["--config", config]
         return argv + render_options(self.options)
+
+
+def api_key_config(api_key: str) -> str:
+    """The text of SGLang's ``--config`` file that sets its ``--api-key`` (a JSON string is a YAML string: the key
+    reads back unchanged whatever its characters)."""
+    return f"api_key: {json.dumps(api_key)}\n"
 
 
 def launch_for(cfg, dtype: str, model_path: str | None = None) -> SGLangLaunch:
@@ -167,6 +188,10 @@ def value_problems(options: dict) -> Iterator[Problem]:
             _render(key, specs[key], value)
         except _Unrenderable as error:
             yield Problem((dotted,), f"{error.message} (SGLang {version})", error.fix)
+    if isinstance(options.get("tokenizer_worker_num"), int) and options["tokenizer_worker_num"] > 1:
+        yield Problem(("rollout.sglang.tokenizer_worker_num",),
+                      f"SGLang {version} refuses an API key with several tokenizer workers, and every engine of a "
+                      "run requires the run's key", "remove rollout.sglang.tokenizer_worker_num (1 worker)")
 
 
 class _Unrenderable(ValueError):
@@ -268,13 +293,13 @@ def _scalar(key: str, spec: dict, value: Any) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 
 def engine_commands(cfg, derived) -> list[str]:
-    """One shell line per engine of a SlimeConfig and its Derived values, with $HOST / $PORT / $NCCL_PORT where
-    values are picked at start."""
+    """One shell line per engine of a SlimeConfig and its Derived values, with $HOST / $PORT / $NCCL_PORT /
+    $API_KEY_CONFIG where values are picked, or files written, at start."""
     launch = launch_for(cfg, derived.engine_dtype, cfg.model.path or "$MODEL_PATH")
     num_engines = derived.num_engines
     lines = []
     for i in range(num_engines):
-        argv = launch.command(i, "$HOST", "$PORT", "$NCCL_PORT", python="python")
+        argv = launch.command(i, "$HOST", "$PORT", "$NCCL_PORT", python="python", config="$API_KEY_CONFIG")
         gpus = f"{launch.tp_size} GPU{'s' if launch.tp_size > 1 else ''} of the placement"
         lines.append(f"# engine {i} of {num_engines} ({gpus}; CUDA_VISIBLE_DEVICES set from Ray)\n"
                      + " ".join(a if a.startswith("$") else shlex.quote(a) for a in argv))

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slime_hydra.train.backend import rng_state, set_rng_state
+from slime_hydra.train.backend import load_rank_file, rng_state, set_rng_state
 from slime_hydra.train.reference import host_copy, pinned
 
 
@@ -48,7 +48,7 @@ def load(backend, ckpt_dir: str | Path) -> None:
     if saved != (dist.get_world_size(), backend.tp_size, backend.pp_size):
         raise ValueError(f"checkpoint {ckpt_dir} was saved by {saved[0]} ranks at tp={saved[1]} pp={saved[2]}; "
                          f"this run has {dist.get_world_size()} ranks at tp={backend.tp_size} pp={backend.pp_size}")
-    shards = torch.load(ckpt_dir / _slot_file(backend), map_location="cpu", weights_only=False)
+    shards = load_rank_file(ckpt_dir / _slot_file(backend), map_location="cpu")
     live = backend._local_shards()
     with torch.no_grad():
         for name, tensor in shards["model"].items():
@@ -57,7 +57,7 @@ def load(backend, ckpt_dir: str | Path) -> None:
     backend._ref_shards = pinned(shards["ref"])
     backend.scheduler.load_state_dict(meta["scheduler"])
     backend.step = meta["step"]
-    local = torch.load(ckpt_dir / f"rank{dist.get_rank()}.pt", weights_only=False)
+    local = load_rank_file(ckpt_dir / f"rank{dist.get_rank()}.pt")
     set_rng_state(local["rng"])
     tensor_parallel.get_cuda_rng_tracker().set_states(local["tracker"])
 

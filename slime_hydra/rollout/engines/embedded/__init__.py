@@ -6,6 +6,10 @@ one (then ``text`` prompts, ``stop`` strings and response ``text`` work; without
 binds 127.0.0.1 unless ``--host`` says otherwise. The rollout code talks to this server and to real SGLang servers
 the same way, through sglang-router, so field names and response shapes follow SGLang's.
 
+With ``SLIME_HYDRA_API_KEY`` in its environment (the run's key, rollout/auth.py) every endpoint but ``/health`` and
+``/health_generate`` answers 401 to a request without ``Authorization: Bearer <key>`` and does nothing, as SGLang does
+with ``--api-key``; without a key everything is open and a host other than loopback is refused.
+
 Endpoints
 ---------
 ``GET /health`` (200 once the model is loaded), ``GET /health_generate`` (runs a one-token generation),

@@ -1,5 +1,8 @@
 """The embedded engine's command line: ``python -m slime_hydra.rollout.engines.embedded --model-path DIR ...`` (flags:
 ``--help``) loads the model into an ``Engine`` and serves ``build_app`` on ``--host``:``--port`` until interrupted.
+
+The API key comes from the environment (``SLIME_HYDRA_API_KEY``, rollout/auth.py), never from a flag: a command line
+is readable by every local user. Without a key the server refuses any host but loopback.
 """
 
 import argparse
@@ -11,6 +14,7 @@ import torch
 from aiohttp import web
 
 import slime_hydra.rollout.engines.embedded as package
+from slime_hydra.rollout.auth import API_KEY_ENV, LOOPBACK_HOSTS
 from slime_hydra.rollout.engines.embedded.scheduler import Engine
 from slime_hydra.rollout.engines.embedded.server import build_app
 
@@ -48,7 +52,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "HTTP loop needs a core: spinning OpenMP workers on every core stall it for seconds)")
     parser.add_argument("--max-request-mb", type=int, default=4096, help="largest request body accepted")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.api_key = os.environ.pop(API_KEY_ENV, None) or None  # popped: no child process inherits it
+    if args.api_key is None and args.host not in LOOPBACK_HOSTS:
+        parser.error(f"--host {args.host} is reachable from other machines: set {API_KEY_ENV} to the key every "
+                     "request must carry (or serve on 127.0.0.1)")
+    return args
 
 
 def main(argv=None) -> None:
@@ -69,7 +78,7 @@ def main(argv=None) -> None:
     runner = engine.runner
     logger.info("loaded %s on %s (%s) in %.1f s; tokenizer: %s; pid %d", runner.model_path, runner.device,
                 runner.dtype, time.monotonic() - started, runner.tokenizer_path, os.getpid())
-    web.run_app(build_app(engine, args.max_request_mb), host=args.host, port=args.port, access_log=None,
+    web.run_app(build_app(engine, args.max_request_mb, args.api_key), host=args.host, port=args.port, access_log=None,
                 handler_cancellation=True, print=lambda msg: logger.info(msg.strip()))
 
 

@@ -5,16 +5,21 @@ memory operations the control operations run), plus ``read_checkpoint`` for /upd
 Errors: a ``RequestError`` is answered 400 and any other exception 500, as ``{"error": {"message"}}``, except on the
 weight endpoints (``/update_weights*``, ``/init_weights*``, ``/destroy_weights*``), which answer SGLang's
 ``{"success": false, "message"}``. A client that disconnects from /generate aborts its requests.
+
+The API key (``rollout/auth.py``): with one, every endpoint but ``/health*`` answers 401 (``{"error": {"message"}}``
+saying what to send) to a request without ``Authorization: Bearer <key>``, before the request is read, so a refused
+request changes nothing; without one, everything is open.
 """
 
 import asyncio
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from aiohttp import web
 
+from slime_hydra.rollout.auth import API_KEY_ENV, OPEN_PREFIX, authorized
 from slime_hydra.rollout.engines.embedded.protocol import RequestError, parse_generate
 from slime_hydra.rollout.engines.embedded.scheduler import Engine
 from slime_hydra.weight_transport import (
@@ -57,7 +62,8 @@ def _as_request_error(fn: Callable) -> Callable:
     return wrapped
 
 
-def build_app(engine: Engine, max_request_mb: int = 4096) -> web.Application:
+def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str] = None) -> web.Application:
+    """The engine's aiohttp application; ``api_key``: required on every endpoint but /health* (None: none)."""
     runner = engine.runner
     routes = web.RouteTableDef()
 
@@ -281,7 +287,20 @@ def build_app(engine: Engine, max_request_mb: int = 4096) -> web.Application:
                 return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"}, status=500)
             return _error(f"{type(exc).__name__}: {exc}", 500)
 
-    app = web.Application(middlewares=[errors], client_max_size=max_request_mb * 1024 * 1024)
+    @web.middleware
+    async def require_key(request, handler):
+        if api_key is None or request.path.startswith(OPEN_PREFIX):
+            return await handler(request)
+        if authorized(request.headers.get("Authorization"), api_key):
+            return await handler(request)
+        given = "a wrong key" if request.headers.get("Authorization") else "no key"
+        return web.json_response(
+            {"error": {"message": f"{request.method} {request.path} needs the run's API key and the request carried "
+                                  f"{given}: send 'Authorization: Bearer <key>' (this engine read its key from "
+                                  f"{API_KEY_ENV}; a run keeps it in <run_dir>/api_key)"}},
+            status=401, headers={"WWW-Authenticate": "Bearer"})
+
+    app = web.Application(middlewares=[require_key, errors], client_max_size=max_request_mb * 1024 * 1024)
     app.add_routes(routes)
 
     async def on_startup(app):
