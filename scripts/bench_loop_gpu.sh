@@ -3,6 +3,7 @@
 # character tokenizer, so no download) trained with GRPO on the addition task for a few steps.
 #   bash scripts/bench_loop_gpu.sh colocated      # one GPU: trainer and engine take turns, CUDA IPC weight sync
 #   bash scripts/bench_loop_gpu.sh disaggregated  # two GPUs: trainer on one, engine on the other, NCCL broadcast
+#   bash scripts/bench_loop_gpu.sh colocated save_every_steps=2   # more overrides after the mode
 # Prints the per-phase step times from metrics.jsonl (docs/benchmarks.md records them).
 set -euo pipefail
 mode=${1:-colocated}
@@ -30,7 +31,7 @@ if [ "$mode" = colocated ]; then
 else
   args=(rollout.num_gpus=1 train.weight_sync=distributed)
 fi
-python3 launch.py "${common[@]}" "${args[@]}" || {
+python3 launch.py "${common[@]}" "${args[@]}" "${@:2}" || {
   status=$?  # what the engines and the router said (their logs stay on the machine)
   grep -H -i -A12 "error\|traceback" "$out"/run/logs/engine_*.log "$out"/run/logs/router.log | tail -80
   exit $status
@@ -39,7 +40,7 @@ python3 - "$out/run/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "perf/step_time" in l]
 keys = ["perf/step_time", "perf/rollout_time", "perf/logprobs_time", "perf/train_time", "perf/weight_sync_time",
-        "perf/offload_time", "perf/overhead_time", "perf/tokens_per_s", "rollout/tokens", "sync/bytes",
+        "perf/offload_time", "perf/checkpoint_time", "perf/overhead_time", "perf/tokens_per_s", "rollout/tokens", "sync/bytes",
         "perf/trainer_gpu_gb_engines", "perf/trainer_gpu_gb_trainer", "perf/trainer_gpu_peak_gb",
         "rollout/engine_gpu_peak_gb"]
 for r in rows:

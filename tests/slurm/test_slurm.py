@@ -79,7 +79,9 @@ def test_two_tasks_form_one_ray_cluster(tmp_path):
     assert seen["nodes"] == 2 and seen["cpus"] == 2
     assert seen["worker_scheduler_env"] == {}
     wait_until(lambda: not ray_processes(job.job_id), 15, "the job's Ray processes to exit")
-    assert not list(Path("/tmp").glob(f"ray_{job.job_id}*"))
+    # the job's temp dirs (/tmp/ray_<id>, /tmp/ray_<id>_<rank>), not another job's /tmp/ray_<id>0
+    assert not [p for p in Path("/tmp").glob(f"ray_{job.job_id}*")
+                if p.name == f"ray_{job.job_id}" or p.name.startswith(f"ray_{job.job_id}_")]
     record = json.loads((tmp_path / "ray" / "job.json").read_text())
     assert record["job_id"] == job.job_id and Path(record["submitit_folder"]).parent == tmp_path / "ray" / "slurm"
 
