@@ -54,6 +54,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from slime_hydra import preempt
+from slime_hydra.buffer.rollout_files import load_saved_rollout, save_rollout
 from slime_hydra.buffer.sample import Sample
 from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, find_resume, fsync_tree, mark_latest, prune, write_json
 from slime_hydra.cluster.local_ray import LocalRay, dead_actor, worker_log_tail
@@ -471,20 +472,3 @@ def death_report(error: BaseException, local_ray: Optional[LocalRay], kept_logs:
     tail = worker_log_tail(local_ray.logs_dir if local_ray is not None else None, pid, kept_logs)
     where = tail or f"(its log: worker-*-{pid}.out/.err in Ray's session logs on {ip})"
     return f"the run stops: {name} (pid {pid} on {ip}) died\n{where}"
-
-
-def save_rollout(out_dir: Path, step: int, samples: list[dict]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / f"step_{step:06d}.jsonl", "w") as f:
-        for s in samples:
-            f.write(json.dumps(s) + "\n")
-
-
-def load_saved_rollout(rollout_dir: Path, step: int) -> list[Sample]:
-    """Samples saved by debug.save_rollouts for this step (cycling when the run saved fewer steps)."""
-    files = sorted(rollout_dir.glob("step_*.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"debug.rollout_path={rollout_dir}: no step_*.jsonl files (write them with a "
-                                "debug=rollout_only run)")
-    path = files[step % len(files)]
-    return [Sample.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line]
