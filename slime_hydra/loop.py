@@ -76,7 +76,7 @@ PHASE_WAITS_ON = {
     "train": "the trainer ranks (TrainRank.train_step)",
     "weight_sync": "the trainer ranks and the engines (the weight sync)",
     "eval": "the rollout manager (RolloutManager.evaluate)",
-    "checkpoint": "the trainer ranks and the rollout manager (saving)",
+    "checkpoint": "the trainer ranks (saving, or finishing a background write) and the rollout manager (its state)",
     None: "nobody: the driver itself works between phases",
 }
 """Whom the driver waits on in each phase of tracking/phases.py, for the stall doctor's report."""
@@ -257,10 +257,12 @@ class Session:
                 if self._eval_due(self.step):
                     with timer.phase("eval"):
                         metrics.update(self.evaluate())
-                self.finish_save()                                  # latest moves once a background write is done
-                if self._save_due() or preempt.requested():
-                    with timer.phase("checkpoint"):  # the run's last save waits: nothing is left to overlap it with
-                        self.save(wait=self.step == cfg.num_steps or preempt.requested())
+                due = self._save_due() or preempt.requested()
+                if due or self.saving is not None:                           # checkpoint (what the step waits for)
+                    with timer.phase("checkpoint"):
+                        self.finish_save()                                   # latest moves once the write is done
+                        if due:  # the run's last save waits for its write: nothing is left to overlap it with
+                            self.save(wait=self.step == cfg.num_steps or preempt.requested())
                 if self.write_time is not None:
                     metrics["perf/checkpoint_write_time"], self.write_time = self.write_time, None
                 metrics.update({f"perf/trainer_gpu_gb_{k}": v / 2**30 for k, v in self.trainer_gpu_bytes.items()})
