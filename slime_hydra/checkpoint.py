@@ -10,10 +10,14 @@ Layout (``k`` = rollout steps completed)::
     <run_dir>/checkpoints/latest     the name of the newest complete checkpoint
 
 ``latest`` is written (atomically: temp file + rename) only after everything else is on disk (every file and
-folder fsynced), so a crash during a save leaves the previous checkpoint as the newest. When to save:
-``save_every_steps``, ``save_every_minutes`` since the last save, the end of the run, a signal; ``keep_checkpoints``
-newest are kept, older ones deleted once a newer one is complete (``prune``). In async mode the rollout already generating for the next step is
-finished and kept in ``loop.json`` (``next_rollout``), so no sample is lost or generated twice.
+folder fsynced), so a crash during a save leaves the previous checkpoint as the newest. With
+``checkpoint_in_background`` (the default) the trainer ranks copy their state to host memory and write their files
+from a thread (train/checkpoint_writer.py) while the run goes on; the loop writes rollout.json and loop.json of the
+same step at once, and moves ``latest`` (``complete``) at a later step boundary, once every rank reported its files
+fsynced; a save first waits for the previous one. When to save: ``save_every_steps``, ``save_every_minutes`` since
+the last save, the end of the run, a signal (these last two wait for the write); ``keep_checkpoints`` newest are
+kept, older ones deleted once a newer one is complete (``prune``). In async mode the rollout already generating for
+the next step is finished and kept in ``loop.json`` (``next_rollout``), so no sample is lost or generated twice.
 
 ``resume``: ``auto`` continues from ``latest`` when it exists (else starts fresh), ``never`` always starts fresh,
 anything else is a checkpoint directory to start from.
@@ -65,6 +69,13 @@ def mark_latest(run_dir: Path, ckpt: Path) -> None:
     tmp = pointer.with_suffix(".tmp")
     tmp.write_text(ckpt.name + "\n")
     _replace_durably(tmp, pointer)
+
+
+def complete(run_dir: Path, ckpt: Path, keep: int) -> None:
+    """ckpt is written (every trainer rank's files fsynced): flush its folder, point ``latest`` at it, prune."""
+    fsync_tree(ckpt)
+    mark_latest(run_dir, ckpt)
+    prune(run_dir, keep)
 
 
 def write_json(path: Path, data: Any) -> None:

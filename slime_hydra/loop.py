@@ -31,11 +31,11 @@ rollout (the wait for a scored batch), offload (colocated memory moves), logprob
 train, weight_sync, eval, checkpoint; plus ``perf/step_time`` and ``perf/overhead_time`` (the step time not in any
 phase).
 
-Checkpoints (checkpoint.py): every ``save_every_steps`` steps, at the end, and when SIGTERM, SIGUSR1 or SIGUSR2
-arrives (preempt.py records it; the step in progress finishes, the checkpoint is written, and ``run``
-returns ``"preempted"``; a SLURM job then requeues itself, launch/submit.py). With
-``resume=auto`` a restarted run continues from the newest checkpoint: the trainer state, the prompt cursor, the
-buffer, the tracking step and, in async mode, the rollout that was already generated for the next step.
+Checkpoints (checkpoint.py): every ``save_every_steps`` steps or ``save_every_minutes``, at the end, and on SIGTERM,
+SIGUSR1 or SIGUSR2 (preempt.py; the step in progress finishes and is saved, ``run`` returns ``"preempted"``, a SLURM
+job requeues itself). The trainer ranks write theirs in the background (``checkpoint_in_background``); ``latest``
+moves at a later step boundary, once every file is on disk. ``resume=auto`` continues from it: the trainer state,
+the prompt cursor, the buffer, the tracking step and, in async mode, the rollout generated for the next step.
 
 Debug modes: ``debug.mode=rollout_only`` generates and scores (saving every batch with ``debug.save_rollouts``)
 and never trains; ``train_only`` trains from the batches an earlier run saved (``debug.rollout_path``) and starts
@@ -54,8 +54,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from slime_hydra import preempt
+from slime_hydra.buffer.rollout_files import load_saved_rollout, save_rollout
 from slime_hydra.buffer.sample import Sample
-from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, find_resume, fsync_tree, mark_latest, prune, write_json
+from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, complete, find_resume, write_json
 from slime_hydra.cluster.local_ray import LocalRay, dead_actor, worker_log_tail
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.schema import SlimeConfig
@@ -75,7 +76,7 @@ PHASE_WAITS_ON = {
     "train": "the trainer ranks (TrainRank.train_step)",
     "weight_sync": "the trainer ranks and the engines (the weight sync)",
     "eval": "the rollout manager (RolloutManager.evaluate)",
-    "checkpoint": "the trainer ranks and the rollout manager (saving)",
+    "checkpoint": "the trainer ranks (saving, or finishing a background write) and the rollout manager (its state)",
     None: "nobody: the driver itself works between phases",
 }
 """Whom the driver waits on in each phase of tracking/phases.py, for the stall doctor's report."""
@@ -139,6 +140,7 @@ class Session:
         self.step, self.next_rollout = 0, None
         self.timer, self.doctor = StepTimer(), None
         self.last_save = time.monotonic()  # save_every_minutes counts from the start, then from each save
+        self.saving, self.write_time = None, None  # see finish_save
         self.gpu_holder = "both"  # colocated on GPUs: who holds the GPU memory now (see hand_gpus_to)
         self.trainer_gpu_bytes: dict[str, float] = {}
         if self.resume_from is not None:
@@ -255,9 +257,14 @@ class Session:
                 if self._eval_due(self.step):
                     with timer.phase("eval"):
                         metrics.update(self.evaluate())
-                if self._save_due() or preempt.requested():
+                due = self._save_due() or preempt.requested()
+                if due or self.saving is not None:                           # checkpoint (what the step waits for)
                     with timer.phase("checkpoint"):
-                        self.save()
+                        self.finish_save()                                   # latest moves once the write is done
+                        if due:  # the run's last save waits for its write: nothing is left to overlap it with
+                            self.save(wait=self.step == cfg.num_steps or preempt.requested())
+                if self.write_time is not None:
+                    metrics["perf/checkpoint_write_time"], self.write_time = self.write_time, None
                 metrics.update({f"perf/trainer_gpu_gb_{k}": v / 2**30 for k, v in self.trainer_gpu_bytes.items()})
                 if self.on_gpu and self.trainer is not None:  # for the memory plan's calibration (config/memory.py)
                     metrics["perf/trainer_gpu_peak_gb"] = max(self.trainer.call("peak_memory")) / 2**30
@@ -269,7 +276,7 @@ class Session:
                 if preempt.requested() and self.step < cfg.num_steps:
                     return "preempted"
         if not self._save_due():
-            self.save()
+            self.save(wait=True)
         return "done"
 
     def hand_gpus_to(self, holder: str, timer: StepTimer) -> None:
@@ -384,16 +391,17 @@ class Session:
                 or (minutes > 0 and time.monotonic() - self.last_save >= 60 * minutes))
 
     # ---- checkpoint ----------------------------------------------------------------------------------------------
-    def save(self) -> None:
-        """Write checkpoints/step_<k> (see checkpoint.py)."""
+    def save(self, wait: bool = False) -> None:
+        """Start checkpoints/step_<k> once the previous save finished: the trainer ranks copy their state to host
+        memory and write it in the background (``checkpoint_in_background``; else before they return), rollout.json
+        and loop.json of the same step are written now; ``latest`` moves in ``finish_save`` (now, with ``wait``)."""
+        self.finish_save(wait=True)
         ckpt = checkpoint_dir(self.run_dir, self.step)
         ckpt.mkdir(parents=True, exist_ok=True)
-        if self.trainer is not None:
-            (ckpt / "actor").mkdir(exist_ok=True)
-            self.trainer.call("save", str(ckpt / "actor"))
-        if self.critic is not None:
-            (ckpt / "critic").mkdir(exist_ok=True)
-            self.critic.call("save", str(ckpt / "critic"))
+        for role, group in (("actor", self.trainer), ("critic", self.critic)):
+            if group is not None:
+                (ckpt / role).mkdir(exist_ok=True)
+                group.call("save", str(ckpt / role), self.cfg.checkpoint_in_background)
         next_rollout = None
         if self.manager is not None:
             if self.next_rollout is not None:  # async: finish the rollout already running and keep it
@@ -401,10 +409,24 @@ class Session:
                 self.next_rollout = ray.put(next_rollout)
             write_json(ckpt / "rollout.json", ray.get(self.manager.state_dict.remote()))
         write_json(ckpt / "loop.json", {"step": self.step, "next_rollout": next_rollout})
-        fsync_tree(ckpt)
-        mark_latest(self.run_dir, ckpt)
-        self.last_save = time.monotonic()
-        prune(self.run_dir, self.cfg.keep_checkpoints)
+        self.saving, self.last_save = ckpt, time.monotonic()
+        if wait or not self.cfg.checkpoint_in_background:
+            self.finish_save(wait=True)
+
+    def finish_save(self, wait: bool = False) -> None:
+        """Once every trainer rank's files of ``self.saving`` (the checkpoint being written) are on disk (polled;
+        ``wait``: block until then), point ``latest`` at it (checkpoint.complete); the slowest rank's background
+        write time (s) is added to ``self.write_time``, the step's metric. A write that failed raises here."""
+        if self.saving is None:
+            return
+        if self.cfg.checkpoint_in_background:
+            times = [t for g in (self.trainer, self.critic) if g is not None for t in g.call("save_finished", wait)]
+            if None in times:
+                return
+            if times:
+                self.write_time = (self.write_time or 0.0) + max(times)
+        complete(self.run_dir, self.saving, self.cfg.keep_checkpoints)
+        self.saving = None
 
     def load(self, ckpt: Path) -> None:
         meta = json.loads((ckpt / "loop.json").read_text())
@@ -471,20 +493,3 @@ def death_report(error: BaseException, local_ray: Optional[LocalRay], kept_logs:
     tail = worker_log_tail(local_ray.logs_dir if local_ray is not None else None, pid, kept_logs)
     where = tail or f"(its log: worker-*-{pid}.out/.err in Ray's session logs on {ip})"
     return f"the run stops: {name} (pid {pid} on {ip}) died\n{where}"
-
-
-def save_rollout(out_dir: Path, step: int, samples: list[dict]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / f"step_{step:06d}.jsonl", "w") as f:
-        for s in samples:
-            f.write(json.dumps(s) + "\n")
-
-
-def load_saved_rollout(rollout_dir: Path, step: int) -> list[Sample]:
-    """Samples saved by debug.save_rollouts for this step (cycling when the run saved fewer steps)."""
-    files = sorted(rollout_dir.glob("step_*.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"debug.rollout_path={rollout_dir}: no step_*.jsonl files (write them with a "
-                                "debug=rollout_only run)")
-    path = files[step % len(files)]
-    return [Sample.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line]

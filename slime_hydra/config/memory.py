@@ -23,9 +23,11 @@ heads / KV heads / head dim):
                         capacity the power of two above prompt + response (the embedded engine's slots); decode
                         logits and CUDA-graph outputs; SGLang takes rollout.sglang.mem_fraction_static of the GPU
     host                the reference policy (4 bytes / param of each rank's shard, pinned), colocated offload
-                        buffers (the trainer's masters + Adam state) and parked engine weights, 0.3 GiB per torch
-                        process (0.6 with CUDA) and 0.6 GiB of Ray services; on a CPU-only machine the trainer and
-                        engines themselves, in fp32
+                        buffers (the trainer's masters + Adam state) and parked engine weights, with
+                        checkpoint_in_background the checkpoint's host copy (12 bytes / param of each rank's shard:
+                        fp32 masters and Adam's moments, kept from one save to the next; under ZeRO the writing DP
+                        rank holds the consolidated moments), 0.3 GiB per torch process (0.6 with CUDA) and 0.6 GiB
+                        of Ray services; on a CPU-only machine the trainer and engines themselves, in fp32
 
 plus ``CUDA_RESERVE`` per GPU (context, cuBLAS workspaces, allocator slack). Calibrated against torch's peak
 allocation on an H100 (docs/benchmarks.md, "The memory plan against measurement").
@@ -229,6 +231,8 @@ def plan_memory(cfg: SlimeConfig, d: Derived) -> MemoryPlan:
     host.parts["processes"] = processes * PROCESS_HOST[on_gpu] + RAY_SERVICES_HOST
     if cfg.algo.needs_reference:
         host.parts["reference copies"] = ranks_per_node * shard_params * 4
+    if cfg.checkpoint_in_background:  # train/checkpoint_writer.py
+        host.parts["checkpoint copy"] = ranks_per_node * shard_params * 12
     gpus: list[Usage] = []
     if on_gpu:
         for usage in (trainer, engine):
@@ -335,4 +339,5 @@ def memory_problems(cfg: SlimeConfig, d: Derived, plan: MemoryPlan) -> Iterator[
                           f"a node needs ~{need} GiB of host RAM ({plan.host.line()}), "
                           f"{plan.host_capacity / GiB:.0f} GiB available",
                           f"set cluster.mem_gb >= {need} (a larger node), or reduce what lives on the host "
-                          "(algo.kl_loss_coef=0 drops the reference copies; cluster.colocate=false the offload)")
+                          "(algo.kl_loss_coef=0 drops the reference copies; cluster.colocate=false the offload; "
+                          "checkpoint_in_background=false the checkpoint copy)")

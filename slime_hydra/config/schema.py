@@ -71,6 +71,10 @@ class SlimeConfig:
     loses at most about this much; 0 disables."""
     keep_checkpoints: int = non_negative(3)
     """Keep the newest N checkpoints of the run and delete older ones once a newer one is complete; 0 keeps all."""
+    checkpoint_in_background: bool = True
+    """The step waits only while the trainer ranks copy their state to host memory; a thread writes the files and
+    ``latest`` moves at a later step boundary once all are on disk. Host RAM holds one more copy of the trainer's
+    state (weights + Adam state, counted by the memory plan); false writes it while the step waits."""
     stall_after_minutes: float = non_negative(30.0)
     """The stall doctor (stall.py): after this many minutes in which no step finished and no generation or reward
     finished, write every process's Python stacks to <run_dir>/stall/ and print what the run waits on; 0 disables."""

@@ -6,7 +6,8 @@ rank of the group, collectively), implemented by train=fsdp (train/fsdp.py) and 
     logp, entropy = backend.logprobs(batch, policy="current" | "ref", temperature, with_entropy)  # [B, T] on host
     metrics = backend.train_step(batch, loss_fn, temperature, with_entropy)  # one optimizer step; grad_norm, lr
     for hf_name, tensor in backend.iter_full_weights(): ...                  # weight sync, HF names, full tensors
-    backend.save(dir); backend.load(dir); backend.export_hf(dir)            # resumable checkpoint / HF export
+    backend.save(dir, background); backend.load(dir); backend.export_hf(dir)  # resumable checkpoint / HF export
+    seconds = backend.save_finished(wait)                                   # None while a background write runs
     backend.offload(); backend.onload()                                      # colocated GPUs (train/offload.py)
 
 ``batch`` is this rank's share of the global batch (train/batch.TrainBatch: right-padded rows, response columns
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from slime_hydra.train.batch import TrainBatch
+from slime_hydra.train.checkpoint_writer import CheckpointWriter
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.precision import ComputeCopyBackend
 
@@ -45,6 +47,7 @@ class TrainBackend(ComputeCopyBackend):
 
     role: str
     train_cfg: TrainConfig
+    _writer: CheckpointWriter | None = None
 
     def _computing(self):
         """Around each forward/backward block: the compute copies (precision.py) and, with train.cuda_graphs, a
@@ -78,12 +81,26 @@ class TrainBackend(ComputeCopyBackend):
         """An HF checkpoint (config + safetensors) of the current weights. Collective."""
 
     @abstractmethod
-    def save(self, ckpt_dir: str | Path) -> None:
-        """A resumable checkpoint: model, optimizer, scheduler, step, RNG, reference. Collective."""
+    def save(self, ckpt_dir: str | Path, background: bool = False) -> None:
+        """A resumable checkpoint: model, optimizer, scheduler, step, RNG, reference. Collective. ``background``:
+        copy the state to host memory now and write the files in a background thread (``save_finished`` says when
+        they are on disk); else write them before returning. Either way a previous background write ends first."""
 
     @abstractmethod
     def load(self, ckpt_dir: str | Path) -> None:
         """Resume from ``save``'s checkpoint. Collective."""
+
+    @property
+    def writer(self) -> CheckpointWriter:
+        """This rank's background checkpoint writes (train/checkpoint_writer.py), made at the first save."""
+        if self._writer is None:
+            self._writer = CheckpointWriter()
+        return self._writer
+
+    def save_finished(self, wait: bool = False) -> float | None:
+        """Seconds the last background write took once every file this rank wrote is fsynced; None while it is
+        still writing (``wait``: block until it ends). Raises the write's error."""
+        return self.writer.finished(wait)
 
 
 class StepMetrics:
@@ -146,6 +163,14 @@ def load_rank_file(path: str | Path, map_location=None) -> dict:
     ``add_safe_globals`` exists from torch 2.4, the ``safe_globals`` context only from 2.5)."""
     torch.serialization.add_safe_globals(list(NUMPY_ARRAY_GLOBALS))
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def write_rank_file(state: dict, path: str | Path) -> None:
+    """``torch.save`` of ``state`` to ``path``, fsynced: on disk when this returns (``load_rank_file`` reads it)."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def set_rng_state(state: dict) -> None:

@@ -26,6 +26,7 @@ Reference policy: the initial weights' local shards are kept on the host; ``logp
 them into the parameters, runs the forward, and copies the trained shards back (slime's swap; no second GPU copy).
 """
 
+import copy
 import json
 from contextlib import nullcontext
 from pathlib import Path
@@ -38,11 +39,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+from slime_hydra.checkpoint import write_json
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, response_logprobs, response_values)
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.backend import (
-    LossFn, StepMetrics, TrainBackend, compile_options, load_rank_file, rng_state, set_rng_state,
+    LossFn, StepMetrics, TrainBackend, compile_options, load_rank_file, rng_state, set_rng_state, write_rank_file,
 )
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
@@ -94,6 +96,9 @@ class FSDPBackend(TrainBackend):
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), train, total_steps, peak)
         self.step = 0
         self._ref_shards = host_copy(self._local_shards()) if keep_reference else None
+        # a gloo group of its own for DCP's background thread (made at the first background save): its collectives
+        # then never interleave with the training's on the default group
+        self._save_group = None
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _forward(self, mb: TrainBatch, first: int, temperature: float, with_entropy: bool):
@@ -183,17 +188,35 @@ class FSDPBackend(TrainBackend):
         dist.barrier()
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
-    def save(self, ckpt_dir: str | Path) -> None:
-        """Resumable checkpoint: sharded model + optimizer (torch.distributed.checkpoint), scheduler, step, RNG."""
+    def save(self, ckpt_dir: str | Path, background: bool = False) -> None:
+        """Resumable checkpoint: sharded model + optimizer (torch.distributed.checkpoint, ``dcp/``), this rank's RNG
+        and reference shards (``rank<r>.pt``), scheduler and step (``trainer.json``). Collective.
+
+        ``background``: DCP's ``async_save`` stages the shards into host memory (the writer's stager) and writes
+        them from its own thread; a CheckpointWriter thread then writes the other two files, whose contents are
+        taken now (the RNG state is a fresh copy, the reference shards never change, the scheduler is copied)."""
+        self.writer.finished(wait=True)  # the stager's buffers still feed a running write until it ends
         ckpt_dir = Path(ckpt_dir)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt_dir / "dcp"))
-        rank = dist.get_rank()
-        torch.save({"rng": rng_state(), "ref": self._ref_shards}, ckpt_dir / f"rank{rank}.pt")
-        if rank == 0:
-            (ckpt_dir / "trainer.json").write_text(json.dumps(
-                {"step": self.step, "scheduler": self.scheduler.state_dict(), "world": self.world}))
-        dist.barrier()
+        state, rank = {"model": model_sd, "optim": optim_sd}, dist.get_rank()
+        local = {"rng": rng_state(), "ref": self._ref_shards}
+        meta = copy.deepcopy({"step": self.step, "scheduler": self.scheduler.state_dict(), "world": self.world})
+
+        def write_rest() -> None:
+            write_rank_file(local, ckpt_dir / f"rank{rank}.pt")
+            if rank == 0:
+                write_json(ckpt_dir / "trainer.json", meta)
+
+        if not background:
+            dcp.save(state, checkpoint_id=str(ckpt_dir / "dcp"))
+            write_rest()
+            dist.barrier()
+            return
+        if self._save_group is None:  # collective: every rank is in save
+            self._save_group = dist.new_group(backend="gloo")
+        upload = dcp.async_save(state, checkpoint_id=str(ckpt_dir / "dcp"), process_group=self._save_group,
+                                async_stager=self.writer.stager)
+        self.writer.start(ckpt_dir, upload.result, write_rest)
 
     def load(self, ckpt_dir: str | Path) -> None:
         ckpt_dir = Path(ckpt_dir)

@@ -5,7 +5,7 @@ import pytest
 
 from slime_hydra.config import ConfigError, compose, to_config
 from slime_hydra.config.derive import derive
-from slime_hydra.config.memory import GiB, engine_usage, plan_memory, trainer_usage
+from slime_hydra.config.memory import GiB, engine_usage, param_counts, plan_memory, trainer_usage
 from tests.config.helpers import load, problems
 
 H100 = ("cluster=slurm_8xh100", "model.path=/ckpt/model")
@@ -16,7 +16,7 @@ def test_a_9b_model_on_this_cpu_machine_is_refused_with_its_size_and_where_to_ru
     (problem,) = [p for p in error.problems if "cluster.gpus_per_node" in p.keys]
     assert "CPU-only machine" in problem.message and "glm4_9b has 9.4B parameters" in problem.message
     need = int(problem.message.split("needs ~")[1].split(" GiB")[0])
-    assert 150 <= need <= 400  # fp32 trainer + Adam + engine + reference copy of 9.4B parameters
+    assert 150 <= need <= 500  # fp32 trainer + Adam + engine + reference and checkpoint copies of 9.4B parameters
     assert "cluster=<a GPU site" in problem.fix
 
 
@@ -96,6 +96,19 @@ def test_the_cpu_default_fits_this_machine():
     cfg, d = load()
     plan = plan_memory(cfg, d)
     assert not plan.on_gpu and plan.host.total < 4 * GiB
+
+
+def test_background_checkpoints_count_one_host_copy_of_weights_and_adam_state():
+    """checkpoint_in_background: 12 bytes per parameter of each trainer rank's shard on the host (fp32 masters and
+    Adam's two moments, train/checkpoint_writer.py); off, nothing."""
+    model = load("model=qwen2_5_0_5b", *H100)[0]
+    params = param_counts(model).total(model.model.num_layers)
+    for ranks in (1, 2):
+        on = plan_memory(*load("model=qwen2_5_0_5b", *H100, f"train.num_gpus={ranks}")).host.parts
+        off = plan_memory(*load("model=qwen2_5_0_5b", *H100, f"train.num_gpus={ranks}",
+                                "checkpoint_in_background=false")).host.parts
+        assert on["checkpoint copy"] == pytest.approx(12 * params)  # FSDP: `ranks` ranks of a node, 1/ranks each
+        assert "checkpoint copy" not in off and {k: v for k, v in on.items() if k != "checkpoint copy"} == off
 
 
 def _usage(role, *overrides):

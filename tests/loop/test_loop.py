@@ -71,9 +71,10 @@ def test_default_loop_runs_syncs_and_checkpoints(tmp_path):
 
 
 def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):
-    """kill -9 mid-run, then the same command again: resume=auto continues from the newest checkpoint."""
+    """kill -9 mid-run, then the same command again: resume=auto continues from the newest checkpoint. Written in
+    the foreground here (checkpoint_in_background=false); test_checkpoint_in_background.py kills background writes."""
     args = [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r", "num_steps=6",
-            "save_every_steps=2", "debug.save_rollouts=true", *SMALL]
+            "save_every_steps=2", "debug.save_rollouts=true", "checkpoint_in_background=false", *SMALL]
     run = tmp_path / "r"
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 240

@@ -336,10 +336,10 @@ class MegatronBackend(TrainBackend):
         dist.barrier()
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
-    def save(self, ckpt_dir: str | Path) -> None:
+    def save(self, ckpt_dir: str | Path, background: bool = False) -> None:
         """Resumable checkpoint (checkpoint.py): this (PP stage, TP rank) slot's parameters, optimizer and reference
-        shards; scheduler, step; every rank's RNG."""
-        checkpoint.save(self, ckpt_dir)
+        shards; scheduler, step; every rank's RNG; ``background``: written by a thread from a host copy."""
+        checkpoint.save(self, ckpt_dir, background)
 
     def load(self, ckpt_dir: str | Path) -> None:
         checkpoint.load(self, ckpt_dir)

@@ -6,36 +6,56 @@ and pp (cp and dp may be traded). To change tp or pp, export_hf and start a new 
 is not carried).
 """
 
+import copy
 import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from slime_hydra.train.backend import load_rank_file, rng_state, set_rng_state
+from slime_hydra.checkpoint import write_json
+from slime_hydra.train.backend import load_rank_file, rng_state, set_rng_state, write_rank_file
 from slime_hydra.train.reference import host_copy, pinned
 
 
-def save(backend, ckpt_dir: str | Path) -> None:
+def save(backend, ckpt_dir: str | Path, background: bool = False) -> None:
     """Resumable checkpoint of ``backend`` (a MegatronBackend): this (PP stage, TP rank) slot's parameters, optimizer
-    and reference shards; scheduler, step; every rank's RNG. Collective."""
+    and reference shards; scheduler, step; every rank's RNG. Collective (the ZeRO consolidation; the barrier of a
+    write in the foreground). ``background``: parameters, optimizer state and RNG states are staged into host memory
+    (CheckpointWriter.stage) and the files written by the writer's thread; the reference shards, which never change,
+    are written from the copy the backend keeps on the host."""
     from megatron.core import tensor_parallel
 
+    backend.writer.finished(wait=True)  # the stager's buffers still feed a running write until it ends
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    rank = dist.get_rank()
+    rank, slot_path, ref = dist.get_rank(), ckpt_dir / _slot_file(backend), backend._ref_shards
     if backend.zero:  # every peer's share of the Adam state, gathered on the peer that writes (collective)
         backend.optimizer.consolidate_state_dict(to=0)
-    if backend.dp_rank == 0 and backend.cp_rank == 0:  # CP and DP peers hold the same shards
-        torch.save({"model": host_copy(backend._local_shards()), "optim": backend.optimizer.state_dict(),
-                    "ref": backend._ref_shards}, ckpt_dir / _slot_file(backend))
-    torch.save({"rng": rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()},
-               ckpt_dir / f"rank{rank}.pt")
-    if rank == 0:
-        (ckpt_dir / "trainer.json").write_text(json.dumps(
-            {"step": backend.step, "scheduler": backend.scheduler.state_dict(), "world": dist.get_world_size(),
-             "tp": backend.tp_size, "pp": backend.pp_size, "cp": backend.cp_size}))
-    dist.barrier()
+    writes_slot = backend.dp_rank == 0 and backend.cp_rank == 0  # CP and DP peers hold the same shards
+    slot = ({"model": {n: p.detach() for n, p in backend._local_shards().items()},
+             "optim": backend.optimizer.state_dict()} if writes_slot else {})
+    local = {"rng": rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    meta = copy.deepcopy({"step": backend.step, "scheduler": backend.scheduler.state_dict(),
+                          "world": dist.get_world_size(), "tp": backend.tp_size, "pp": backend.pp_size,
+                          "cp": backend.cp_size})
+    if background:
+        slot, local = backend.writer.stage((slot, local))
+    elif writes_slot:
+        slot["model"] = host_copy(slot["model"])
+
+    def write() -> None:
+        if writes_slot:
+            write_rank_file({**slot, "ref": ref}, slot_path)
+        write_rank_file(local, ckpt_dir / f"rank{rank}.pt")
+        if rank == 0:
+            write_json(ckpt_dir / "trainer.json", meta)
+
+    if background:
+        backend.writer.start(ckpt_dir, write)
+    else:
+        write()
+        dist.barrier()
 
 
 def load(backend, ckpt_dir: str | Path) -> None:

@@ -1,0 +1,114 @@
+"""Checkpoints written in the background (checkpoint_in_background=true, the default) through launch.py, as a user runs
+it: real Ray, router, engine, trainer rank. ``latest`` only ever names a checkpoint whose files are all on disk, and
+a run resumes from it exactly: every step logged once, each step trained on the prompts of an uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slime_hydra.config import PROJECT_ROOT
+from slime_hydra.train.checkpoint_writer import HOLD_ENV
+from tests.loop.test_loop import SMALL, train_rows
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
+
+
+def _command(output_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={output_dir}", "run_name=r",
+            f"num_steps={STEPS}", "debug.save_rollouts=true", *SMALL, *overrides]
+
+
+def _prompts_per_step(run: Path) -> list[list[str]]:
+    steps = []
+    for step in range(STEPS):
+        samples = [json.loads(line) for line in (run / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert len(samples) == 16
+        steps.append([p for _, p in sorted({s["group_index"]: s["prompt"] for s in samples}.items())])
+    return steps
+
+
+def _latest(run: Path) -> str:
+    return (run / "checkpoints" / "latest").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run that saves after every step in the background: its run directory."""
+    out_dir = tmp_path_factory.mktemp("reference")
+    out = subprocess.run(_command(out_dir, "save_every_steps=1"), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out_dir / "r"
+
+
+def test_saves_after_every_step_in_the_background_and_a_killed_run_resumes_exactly(reference, tmp_path):
+    rows = train_rows(reference)
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    # the write started after step k is seen finished at the next step's boundary (the last one waits for it)
+    assert "perf/checkpoint_write_time" not in rows[0]
+    assert all(r["perf/checkpoint_write_time"] > 0 and r["perf/checkpoint_time"] > 0 for r in rows[1:])
+    assert _latest(reference) == "step_000006"
+    assert sorted(p.name for p in (reference / "checkpoints").glob("step_*")) == [
+        "step_000004", "step_000005", "step_000006"]  # keep_checkpoints=3
+    # kill -9 at a moment of step 3 (a background write may be in flight), then the same command again
+    command = _command(tmp_path, "save_every_steps=1")
+    run = tmp_path / "r"
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not [r for r in train_rows(run) if r["step"] >= 2]:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 2"
+        time.sleep(0.05)
+    time.sleep(0.5 * rows[3]["perf/step_time"])
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _latest(run) in ("step_000002", "step_000003", "step_000004")  # step 2's was complete before its row
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "resumed from" in out.stdout
+    assert [r["step"] for r in train_rows(run)] == list(range(STEPS))
+    assert _prompts_per_step(run) == _prompts_per_step(reference)
+
+
+def test_a_run_killed_while_a_write_is_held_resumes_from_the_previous_complete_checkpoint(reference, tmp_path):
+    """The write of checkpoint 4's trainer files is held (the writer waits on a file, HOLD_ENV): the run trains step
+    4 meanwhile and then waits at its last save; killed there, ``latest`` still names checkpoint 2, checkpoint 4's
+    folder has the loop's files but not the trainer's, and the rerun resumes from checkpoint 2."""
+    run = tmp_path / "r"
+    held = run / "checkpoints" / "step_000004"
+    log = tmp_path / "held_run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_command(tmp_path, "save_every_steps=2"), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, HOLD_ENV: str(held)})
+    try:
+        deadline = time.monotonic() + 300
+        while not (list(held.glob("held_*")) and [r for r in train_rows(run) if r["step"] == 4]):
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "no write held and step 4 trained within 300 s"
+            time.sleep(0.05)
+        time.sleep(1.0)  # step 5 trains and its save waits for the held write: the run ends no further
+        assert proc.poll() is None and _latest(run) == "step_000002"
+        assert [r["step"] for r in train_rows(run)] == [0, 1, 2, 3, 4]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert _latest(run) == "step_000002"
+    assert json.loads((held / "loop.json").read_text())["step"] == 4 and (held / "rollout.json").exists()
+    assert not (held / "actor" / "rank0.pt").exists() and not (held / "actor" / "trainer.json").exists()
+    out = subprocess.run(_command(tmp_path, "save_every_steps=2"), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "step_000002 at step 2" in out.stdout  # "resumed from <run>/checkpoints/step_000002 at step 2"
+    assert [r["step"] for r in train_rows(run)] == list(range(STEPS))
+    assert _prompts_per_step(run) == _prompts_per_step(reference)
+    assert _latest(run) == "step_000006" and (held / "actor" / "trainer.json").exists()
