@@ -192,7 +192,7 @@ class FSDPBackend(TrainBackend):
         """Resumable checkpoint: sharded model + optimizer (torch.distributed.checkpoint, ``dcp/``), this rank's RNG
         and reference shards (``rank<r>.pt``), scheduler and step (``trainer.json``). Collective.
 
-        ``background``: DCP's ``async_save`` stages the shards into host memory (the writer's stager) and writes
+        ``background``: DCP's ``async_save`` stages the shards into host memory (the writer is its stager) and writes
         them from its own thread; a CheckpointWriter thread then writes the other two files, whose contents are
         taken now (the RNG state is a fresh copy, the reference shards never change, the scheduler is copied)."""
         self.writer.finished(wait=True)  # the stager's buffers still feed a running write until it ends
@@ -215,7 +215,7 @@ class FSDPBackend(TrainBackend):
         if self._save_group is None:  # collective: every rank is in save
             self._save_group = dist.new_group(backend="gloo")
         upload = dcp.async_save(state, checkpoint_id=str(ckpt_dir / "dcp"), process_group=self._save_group,
-                                async_stager=self.writer.stager)
+                                async_stager=self.writer)
         self.writer.start(ckpt_dir, upload.result, write_rest)
 
     def load(self, ckpt_dir: str | Path) -> None:

@@ -131,6 +131,22 @@ def test_the_stager_copies_what_training_then_changes_in_place():
     live["optim"]["state"][0]["exp_avg"].add_(5)
     assert torch.equal(staged["model"]["w"], torch.ones(3))
     assert torch.equal(staged["optim"]["state"][0]["exp_avg"], torch.zeros(3))
+    writer.close()  # what DCP's async_save may call after a save: the buffers stay (torch 2.11 emptied its stager's)
     again = writer.stage(live)  # the stager reuses its buffers (so a save waits for the previous write)
     assert torch.equal(again["model"]["w"], torch.full((3,), 2.0))
     assert again["model"]["w"].data_ptr() == staged["model"]["w"].data_ptr()
+    assert writer.stage(live)["model"]["w"].data_ptr() == staged["model"]["w"].data_ptr()  # a third time too
+    live["model"]["w"] = torch.ones(4, dtype=torch.float64)  # a new layout: new buffers
+    grown = writer.stage(live)
+    assert grown["model"]["w"].dtype == torch.float64 and torch.equal(grown["model"]["w"], torch.ones(4, dtype=torch.float64))
+
+
+def test_the_stager_copies_numpy_rng_state_and_non_tensor_values():
+    import numpy as np
+    writer = CheckpointWriter()
+    live = {"rng": {"numpy": np.random.get_state()}, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}
+    staged = writer.stage(live)
+    live["groups"][0]["lr"] = 0.2
+    np.random.rand(8)
+    assert staged["groups"][0]["lr"] == 0.1 and staged["groups"][0]["betas"] == (0.9, 0.99)
+    assert not np.array_equal(staged["rng"]["numpy"][1], np.random.get_state()[1])
