@@ -162,3 +162,13 @@ def test_countdown_answer_is_the_last_line_before_an_equals_sign():
 def test_task_reward_needs_a_generated_row():
     with pytest.raises(ValueError, match="metadata"):
         task_reward("46", "46", {"a": 12, "b": 34})
+
+
+def test_eval_rows_are_distinct_and_a_small_level_gives_fewer():
+    env = get_env("arithmetic")
+    rows = env.rows("eval", levels=[1, 2], n=100)
+    levels = [r["metadata"]["level"] for r in rows]
+    assert len({r["prompt"] for r in rows}) == len(rows) and levels.count(2) == 50
+    held_one_digit = {f"{a}{op}{b}=" for a in range(10) for b in range(10) for op in "+-"}
+    held_one_digit = {p for p in held_one_digit if env.held_out(p)}
+    assert {r["prompt"] for r in rows if r["metadata"]["level"] == 1} == held_one_digit and len(held_one_digit) == 26

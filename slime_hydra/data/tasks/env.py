@@ -29,6 +29,8 @@ EVAL_ROWS_PER_LEVEL = 256
 """Rows of the held-out split per level (data.eval.<i>.max_prompts keeps the first ones, levels round robin)."""
 MAX_TRIES = 10_000
 """Draws tried before a split is declared empty at a level (no held-out problem there)."""
+NEW_EVAL_TRIES = 50
+"""Held-out draws tried for a problem not yet in the eval rows before a small level is taken as exhausted."""
 
 
 class Environment:
@@ -76,14 +78,28 @@ class Environment:
     def rows(self, split: str = "train", seed: int = 0, levels: Optional[Sequence[int]] = None,
              n: Optional[int] = None) -> list[dict]:
         """n rows of the split (train: TRAIN_ROWS, eval: EVAL_ROWS_PER_LEVEL per level), levels round robin
-        (default: [default_level]). Eval rows do not depend on ``seed``: every run evaluates the same problems."""
+        (default: [default_level]). Eval rows are distinct, so a level with few held-out problems (1-digit
+        arithmetic has about 20) gives fewer, and they do not depend on ``seed``: every run evaluates the same."""
         if split not in ("train", "eval"):
             raise ValueError(f"split must be train or eval, got {split!r}")
         levels = list(levels or [self.default_level])
         if n is None:
             n = TRAIN_ROWS if split == "train" else EVAL_ROWS_PER_LEVEL * len(levels)
         rng = random.Random(f"slime_hydra.env/{self.name}/{split}/{seed if split == 'train' else 0}")
-        return [self._row(rng, levels[i % len(levels)], split) for i in range(n)]
+        if split == "train":
+            return [self._row(rng, levels[i % len(levels)], split) for i in range(n)]
+        out, seen, exhausted = [], set(), set()
+        for i in range(n):
+            level = levels[i % len(levels)]
+            for _ in range(0 if level in exhausted else NEW_EVAL_TRIES):
+                row = self._row(rng, level, split)
+                if row["prompt"] not in seen:
+                    seen.add(row["prompt"])
+                    out.append(row)
+                    break
+            else:
+                exhausted.add(level)
+        return out
 
     def sft_rows(self, n: int, seed: int = 0, levels: Optional[Sequence[int]] = None) -> list[dict]:
         """n train problems with a correct response, {"prompt", "response"}; levels round robin (default:
