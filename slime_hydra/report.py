@@ -2,6 +2,8 @@
 
 Reads <run_dir>/metrics.jsonl and writes one PNG per panel that has data (reward, accuracy, KL, entropy, response
 length, phase times, the trainer-vs-engine logprob mismatch) to <run_dir>/plots/ (or --out), and prints their paths.
+A run with adaptive difficulty (data.adaptive) also gets ``env_<task>.png`` per task: its level (left axis) and its
+pass rate, per batch and over the sampler's window (right axis), over the steps.
 """
 
 import argparse
@@ -62,7 +64,36 @@ def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    for task in sorted({n.split("/")[1] for n in names if n.startswith("env/") and n.count("/") == 2
+                        and n.endswith("/level")}):
+        written.append(_env_panel(rows, task, run_dir, out))
     return written
+
+
+def _env_panel(rows: list[dict], task: str, run_dir: Path, out: Path) -> Path:
+    """Level (steps, left axis) and pass rates (right axis, 0..1) of one adaptive task."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    points = [(r["step"], r[f"env/{task}/level"]) for r in rows if f"env/{task}/level" in r]
+    ax.step([s for s, _ in points], [v for _, v in points], where="post", color="black", label="level")
+    ax.set_xlabel("rollout step")
+    ax.set_ylabel("level")
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    rates = ax.twinx()
+    for name, style in (("pass_rate", "-"), ("window_pass_rate", "--")):
+        key = f"env/{task}/{name}"
+        series = [(r["step"], r[key]) for r in rows if key in r]
+        rates.plot([s for s, _ in series], [v for _, v in series], style, label=name.replace("_", " "))
+    rates.set_ylim(0, 1)
+    rates.set_ylabel("pass rate")
+    ax.set_title(f"{Path(run_dir).name}: {task} (adaptive difficulty)")
+    ax.grid(alpha=0.3)
+    handles = ax.get_legend_handles_labels()[0] + rates.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = out / f"env_{task}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:

@@ -10,6 +10,9 @@ small function yielding ``Problem``s that name the key(s) and the override that 
 from typing import Callable, Iterator
 
 from slime_hydra.algo.config import GROUP_ESTIMATORS
+from slime_hydra.data.config import MAX_LEVELS
+from slime_hydra.data.tasks import get_env
+from slime_hydra.reward.config import REWARD_NAMES
 from slime_hydra.model.config import DENSE_FAMILIES
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import memory_problems, plan_memory
@@ -227,6 +230,37 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       "set rollout.n_samples_per_prompt=8 (or more)")
 
 
+CALCULATOR_GENERATE = "slime_hydra.rollout.tools.calculator_generate"
+"""The generate hook the calculator task needs (rollout/tools.py)."""
+
+
+def check_tasks(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    """The reward grades the environments in use, and a multi-turn task has its generate hook."""
+    data, reward = cfg.data, cfg.reward.name
+    if data.path is not None:
+        used = []
+    elif data.adaptive.enabled and data.adaptive.tasks:
+        used = list(data.adaptive.tasks)
+    else:
+        used = [data.task] if data.task is not None else []
+    envs = [t for t in used if t in MAX_LEVELS]
+    if reward == "task" and (not used or len(envs) < len(used)):
+        what = f"data.path={data.path}" if data.path is not None else f"data.task={data.task}"
+        yield Problem(("reward.name", "data.task"),
+                      f"reward=task is the score of a generated environment, but {what} is not one",
+                      f"set data.task to one of {', '.join(MAX_LEVELS)}, or choose another reward (reward=math)")
+    graders = set(REWARD_NAMES) - {"task", "random", "remote", "custom"}
+    for t in envs:
+        if reward in graders and reward not in get_env(t).graded_by:
+            yield Problem(("reward.name", "data.task"),
+                          f"reward={reward} cannot grade {t} (its own checker does: data/tasks/{t}.py)",
+                          "set reward=task")
+    if "calculator" in envs and cfg.rollout.generate is None:
+        yield Problem(("rollout.generate", "data.task"),
+                      "the calculator task is multi-turn: the model calls the calculator tool, which the default "
+                      "generate does not run", f"set rollout.generate={CALCULATOR_GENERATE}")
+
+
 def check_memory(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     """The memory plan fits the GPUs and the nodes' host RAM (config/memory.py)."""
     yield from memory_problems(cfg, d, plan_memory(cfg, d))
@@ -243,7 +277,7 @@ def _divisor_near(n: int, target: int) -> int:
 
 RULES: tuple[Callable[[SlimeConfig, Derived], Iterator[Problem]], ...] = (
     check_batch, check_parallelism, check_backend, check_rollout, check_placement, check_lengths, check_algo,
-    check_memory,
+    check_tasks, check_memory,
 )
 
 

@@ -3,12 +3,15 @@
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
 
-from slime_hydra.options import Problem, choice, non_negative, positive
+from slime_hydra.options import Problem, choice, nearest, non_negative, positive, within
 
 ON_BAD_LINE = ("error", "skip")
 """data.on_bad_line: what data/dataset.py does with a malformed row."""
-TASKS = ("addition",)
+TASKS = ("addition", "arithmetic", "countdown", "sorting", "calculator")
 """data.task: the built-in generated tasks, each a module of slime_hydra/data/tasks/ with that name."""
+MAX_LEVELS = {"arithmetic": 8, "countdown": 5, "sorting": 10, "calculator": 6}
+"""The environments (tasks generated at a difficulty level, data/tasks/env.py) and their highest level; levels
+start at 1. addition is a fixed problem set without levels."""
 
 
 @dataclass
@@ -28,13 +31,62 @@ class EvalDataConfig:
 
 
 @dataclass
+class AdaptiveConfig:
+    """Adaptive difficulty (data/adaptive.py): prompts generated on the fly at a level that follows the pass rate."""
+
+    enabled: bool = False
+    """Generate training prompts at a level that keeps each task's pass rate in [band_low, band_high]."""
+    tasks: List[str] = field(default_factory=list)
+    """Environments mixed prompt by prompt, round robin, each with its own level; empty means [data.task]."""
+    band_low: float = within(0.3, 0.0, 1.0)
+    """Target pass rate's lower edge (fraction of a group's samples correct): below it the level goes down."""
+    band_high: float = within(0.7, 0.0, 1.0)
+    """Target pass rate's upper edge: above it the level goes up."""
+    window_groups: int = positive(32)
+    """Scored groups at the current level whose mean pass rate is compared with the band; a move empties it."""
+    min_level: int = positive(1)
+    """Lowest level (levels start at 1)."""
+    max_level: Optional[int] = positive(None)
+    """Highest level; null means each task's own highest (data/config.MAX_LEVELS)."""
+    start_level: Optional[int] = positive(None)
+    """Level of the first prompts; null means min_level."""
+
+    def check(self, prefix: str) -> Iterator[Problem]:
+        """What the field domains cannot say (options.py)."""
+        if self.band_low >= self.band_high:
+            yield Problem((f"{prefix}band_low", f"{prefix}band_high"),
+                          f"band_low={self.band_low} must be below band_high={self.band_high}",
+                          f"set {prefix}band_low and {prefix}band_high to a band such as 0.3 and 0.7")
+        if self.max_level is not None and self.max_level < self.min_level:
+            yield Problem((f"{prefix}min_level", f"{prefix}max_level"),
+                          f"max_level={self.max_level} is below min_level={self.min_level}",
+                          f"set {prefix}max_level >= {self.min_level} (or null for each task's highest)")
+        if self.start_level is not None and not (
+                self.min_level <= self.start_level <= (self.max_level or self.start_level)):
+            yield Problem((f"{prefix}start_level",),
+                          f"start_level={self.start_level} is outside [min_level={self.min_level}, "
+                          f"max_level={self.max_level}]", f"set {prefix}start_level=null (min_level) or a level inside")
+        for i, name in enumerate(self.tasks):
+            if name not in MAX_LEVELS:
+                hint = nearest(str(name), MAX_LEVELS)
+                yield Problem((f"{prefix}tasks.{i}",), f"'{name}' is not an environment with levels "
+                              f"({', '.join(MAX_LEVELS)})",
+                              f"did you mean {hint}?" if hint else f"choose among {', '.join(MAX_LEVELS)}")
+
+
+@dataclass
 class DataConfig:
     name: str = "addition"
     """The conf/data option this came from."""
     path: Optional[str] = None
     """Training prompts: a .jsonl or .parquet file; null uses the built-in task (`task`)."""
     task: Optional[str] = choice("addition", TASKS)
-    """Built-in generated task used when path is null (verifiable, offline): addition."""
+    """Built-in generated task used when path is null (offline, verifiable; data/tasks/): addition | arithmetic |
+    countdown | sorting | calculator."""
+    level: Optional[int] = positive(None)
+    """Difficulty level of a generated task's prompts (not adaptive) and held-out split; null: the task's default."""
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    """Adaptive difficulty (training prompts generated on the fly); off by default."""
     prompt_key: str = "prompt"
     """Row key holding the prompt: a string, or a list of chat messages."""
     label_key: str = "label"
@@ -68,6 +120,29 @@ class DataConfig:
         if self.path is not None and not self.path.endswith((".jsonl", ".parquet")):
             yield Problem((f"{prefix}path",), f"'{self.path}' is neither .jsonl nor .parquet",
                           "convert the dataset to JSONL or Parquet")
+        if self.task is not None and self.task not in MAX_LEVELS and self.level is not None:
+            yield Problem((f"{prefix}level",), f"data.task={self.task} is a fixed problem set without levels",
+                          f"set {prefix}level=null, or choose an environment: {', '.join(MAX_LEVELS)}")
+        if self.task in MAX_LEVELS and self.level is not None and self.level > MAX_LEVELS[self.task]:
+            yield Problem((f"{prefix}level",), f"{self.task} has levels 1..{MAX_LEVELS[self.task]}, got {self.level}",
+                          f"set {prefix}level between 1 and {MAX_LEVELS[self.task]}")
+        if self.adaptive.enabled:
+            if self.path is not None:
+                yield Problem((f"{prefix}adaptive.enabled", f"{prefix}path"),
+                              "adaptive difficulty generates its prompts, but data.path names a file",
+                              f"set {prefix}path=null and {prefix}task to an environment, or "
+                              f"{prefix}adaptive.enabled=false")
+            elif not self.adaptive.tasks and self.task not in MAX_LEVELS:
+                yield Problem((f"{prefix}adaptive.enabled", f"{prefix}task"),
+                              f"adaptive difficulty needs an environment with levels; data.task={self.task} has none",
+                              f"set {prefix}task to one of {', '.join(MAX_LEVELS)} (or list them in "
+                              f"{prefix}adaptive.tasks)")
+            low = [t for t in self.adaptive.tasks or [self.task] if MAX_LEVELS.get(t, 1 << 30) < self.adaptive.min_level]
+            if low:
+                yield Problem((f"{prefix}adaptive.min_level",),
+                              f"min_level={self.adaptive.min_level} is above the highest level of "
+                              + ", ".join(f"{t} ({MAX_LEVELS[t]})" for t in low),
+                              f"lower {prefix}adaptive.min_level")
         if self.row_end is not None and self.row_end <= self.row_start:
             yield Problem((f"{prefix}row_start", f"{prefix}row_end"),
                           f"row_end={self.row_end} must be after row_start={self.row_start}")

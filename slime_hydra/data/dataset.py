@@ -148,15 +148,30 @@ def load_eval_prompts(eval_cfg: EvalDataConfig, cfg: DataConfig, tokenizer) -> P
 
 
 def _load_task(cfg: DataConfig, tokenizer, split: str, row_start: int, row_end: Optional[int]) -> PromptDataset:
-    from slime_hydra.data.tasks import get_task
+    from slime_hydra.data.tasks import Environment, get_task
 
     if cfg.task is None:
         raise ValueError("data.path and data.task are both null; set data.path=<file.jsonl> or data.task=addition")
-    rows = get_task(cfg.task).rows(split, seed=cfg.seed)
+    task = get_task(cfg.task)
+    if isinstance(task, Environment):
+        rows = task.rows(split, seed=cfg.seed, levels=task_levels(cfg, split))
+    else:
+        rows = task.rows(split, seed=cfg.seed)
     return load_prompt_rows(
         rows, tokenizer, source=f"task:{cfg.task}/{split}", metadata_key="metadata",
         apply_chat_template=cfg.apply_chat_template, max_prompt_tokens=cfg.max_prompt_tokens,
         row_start=row_start, row_end=row_end, on_bad_line="error")
+
+
+def task_levels(cfg: DataConfig, split: str) -> list[int]:
+    """Levels of an environment's fixed rows: data.level (or the task's default) for both splits; with adaptive
+    difficulty, every level the sampler may reach, for the held-out split (training prompts are generated)."""
+    from slime_hydra.data.tasks import get_env
+
+    env = get_env(cfg.task)
+    if cfg.adaptive.enabled and split == "eval":
+        return list(range(cfg.adaptive.min_level, min(env.max_level, cfg.adaptive.max_level or env.max_level) + 1))
+    return [cfg.level or env.default_level]
 
 
 def load_prompt_file(path: str, tokenizer, *, prompt_key: str = "prompt", label_key: str = "label",

@@ -82,6 +82,9 @@ class PromptSource(Generic[T]):
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved cursor; raises ValueError if the records, seed or shuffle flag differ, since the
         saved position would then point at other prompts. batch_prompts may differ (the cursor counts prompts)."""
+        if "num_records" not in state:
+            raise ValueError("the checkpoint's prompt cursor is an adaptive sampler's, but data.adaptive.enabled="
+                             "false; resume with the run's own data settings")
         mismatched = [f"{key}: saved {state[key]!r}, now {now!r}" for key, now in
                       (("num_records", len(self.records)), ("seed", self.seed), ("shuffle", self.shuffle))
                       if state[key] != now]

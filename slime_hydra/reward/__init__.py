@@ -6,7 +6,7 @@
     scalar_reward(rewards[0], cfg.reward.reward_key)  # the float advantages are computed from
 
 Built-ins (reward.name), one module each: ``math`` and ``deepscaler`` (math.py), ``dapo``, ``f1``, ``gpqa``,
-``exact_match``, ``random``, and ``remote`` (remote.py: reward.url, timeout_s, max_retries, backoff_s).
+``exact_match``, ``task`` (the score of the environment that generated the row: data/tasks/), ``random``, and ``remote`` (remote.py: reward.url, timeout_s, max_retries, backoff_s).
 ``custom`` imports ``reward.target``, the dotted path of your ``fn(response, label, metadata)``.
 
 A function marked ``@group_reward`` is called once per group instead:

@@ -5,14 +5,15 @@ from typing import Iterator, Optional
 
 from slime_hydra.options import Problem, choice, non_negative, positive
 
-REWARD_NAMES = ("math", "dapo", "deepscaler", "f1", "gpqa", "exact_match", "random", "remote", "custom")
+REWARD_NAMES = ("math", "dapo", "deepscaler", "f1", "gpqa", "exact_match", "task", "random", "remote", "custom")
 """reward.name: the built-in reward functions (reward/registry.py), a reward server, or the user's function."""
 
 
 @dataclass
 class RewardConfig:
     name: str = choice("math", REWARD_NAMES)
-    """Built-in reward (math | dapo | deepscaler | f1 | gpqa | remote | random | exact_match) or custom."""
+    """Built-in reward (math | dapo | deepscaler | f1 | gpqa | exact_match | task: the environment's own score |
+    random | remote) or custom."""
     target: Optional[str] = None
     """custom only: dotted path of fn(response, label, metadata) -> float | dict (or a group-level function)."""
     reward_key: Optional[str] = None

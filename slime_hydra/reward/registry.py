@@ -3,6 +3,7 @@
 import difflib
 from typing import Any, Callable, Optional
 
+from slime_hydra.data.tasks import task_reward
 from slime_hydra.dotted import import_callable
 from slime_hydra.reward.config import REWARD_NAMES
 from slime_hydra.reward.dapo import dapo_reward
@@ -17,7 +18,7 @@ RewardFn = Callable[[str, Any, dict], Any]
 
 BUILTINS: dict[str, RewardFn] = {
     "math": math_reward, "dapo": dapo_reward, "deepscaler": deepscaler_reward, "f1": f1_reward,
-    "gpqa": gpqa_reward, "exact_match": exact_match_reward, "random": random_reward,
+    "gpqa": gpqa_reward, "exact_match": exact_match_reward, "task": task_reward, "random": random_reward,
 }
 NAMES = REWARD_NAMES
 """Every valid reward.name: the BUILTINS, remote and custom (reward/config.py)."""

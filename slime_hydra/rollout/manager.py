@@ -36,7 +36,12 @@ its group, counts as wrong with reward 0, in ``eval/<name>/failed_samples``, the
 1, 2, 4 ... <= n, ``eval/<name>/pass@k`` with the unbiased estimator 1 - C(n-c, k) / C(n, k) averaged over
 prompts (c correct of n samples).
 
-Checkpoint: ``state_dict()`` is JSON-safe: the prompt cursor and the buffer.
+Adaptive difficulty (``data.adaptive.enabled``): the prompt source is an ``AdaptiveSampler`` (data/adaptive.py)
+instead of a dataset's ``PromptSource``; every scored group of a batch is reported to it at the end of the batch
+(task, level, fraction of samples correct), which moves the levels and gives the ``env/<task>/...`` metrics. Eval
+sets of an environment span its levels and add ``eval/<name>/level_<L>/accuracy``.
+
+Checkpoint: ``state_dict()`` is JSON-safe: the prompt cursor (or the adaptive sampler's state) and the buffer.
 
 The run's API key (rollout/auth.py) is made here, once, and written to ``<run_dir>/api_key``: the router and every
 engine require it, and every client of theirs sends it.
@@ -57,7 +62,8 @@ from typing import Any, Optional
 from slime_hydra.buffer.buffer import RolloutBuffer
 from slime_hydra.buffer.filters import get_filter
 from slime_hydra.buffer.sample import Sample, Status
-from slime_hydra.data.dataset import PromptDataset, load_eval_prompts, load_prompts
+from slime_hydra.data.adaptive import AdaptiveSampler, GroupResult
+from slime_hydra.data.dataset import PromptDataset, load_eval_prompts, load_prompt_rows, load_prompts
 from slime_hydra.data.source import PromptSource
 from slime_hydra.model.hf import load_tokenizer
 from slime_hydra.net import backoff_s
@@ -98,10 +104,15 @@ class RolloutManager:
         self.cfg, self.rollout = cfg, cfg.rollout
         self.run_dir = Path(run_dir)
         self.tokenizer = load_tokenizer(model_path)
-        dataset = load_prompts(cfg.data, self.tokenizer)
-        print(f"rollout: {dataset.stats.summary()}", flush=True)
-        self.source = PromptSource(dataset.records, cfg.rollout.batch_prompts, shuffle=cfg.data.shuffle,
-                                   seed=cfg.data.seed)
+        self.adaptive = cfg.data.adaptive.enabled
+        if self.adaptive:
+            self.source = AdaptiveSampler(cfg.data.adaptive, cfg.data.task, cfg.data.seed, self._records)
+            print(f"rollout: prompts generated at adaptive levels {self.source.state_dict()['levels']}", flush=True)
+        else:
+            dataset = load_prompts(cfg.data, self.tokenizer)
+            print(f"rollout: {dataset.stats.summary()}", flush=True)
+            self.source = PromptSource(dataset.records, cfg.rollout.batch_prompts, shuffle=cfg.data.shuffle,
+                                       seed=cfg.data.seed)
         dynamic = get_filter(cfg.algo.dynamic_filter, cfg.reward.reward_key)
         self.buffer = RolloutBuffer(
             cfg.rollout.n_samples_per_prompt, [dynamic] if dynamic else [], max_attempts=cfg.rollout.max_filter_attempts,
@@ -124,6 +135,12 @@ class RolloutManager:
         self._reported: dict[str, int] = {}
         self.in_flight = InFlight()
         """Generations and reward groups in flight, for the stall doctor (stall_probe)."""
+
+    def _records(self, rows: list[dict]) -> list:
+        """Generated rows as tokenized records (the adaptive sampler's)."""
+        d = self.cfg.data
+        return load_prompt_rows(rows, self.tokenizer, source="adaptive", metadata_key="metadata",
+                                apply_chat_template=d.apply_chat_template, max_prompt_tokens=d.max_prompt_tokens).records
 
     def _eval_set(self, e) -> EvalSet:
         dataset = load_eval_prompts(e, self.cfg.data, self.tokenizer)
@@ -199,7 +216,7 @@ class RolloutManager:
         start = time.monotonic()
         batch_prompts = self.rollout.batch_prompts
         params = sampling_params(self.rollout)
-        aborted, errors = 0, []
+        aborted, errors, results = 0, [], []
         while (req := self.buffer.request(batch_prompts, self.rollout.over_sampling_batch_prompts)) is not None:
             groups = req.resume + self.buffer.new_groups(self.source.take(req.new_prompts))
             abort = asyncio.Event()
@@ -211,6 +228,10 @@ class RolloutManager:
                     failed = [s.metadata.get("error", "?") for s in group if s.status is Status.FAILED]
                     errors += failed
                     failed_groups += bool(failed)
+                    if self.adaptive and all(s.reward is not None for s in group):
+                        results.append((group[0].group_index, GroupResult(
+                            group[0].metadata["task"], group[0].metadata["level"],
+                            statistics.fmean(float(_correct(s, self.cfg.reward.reward_key)) for s in group))))
                     self.buffer.add_group(group)
                     if self.buffer.enough(batch_prompts) and not abort.is_set() and not all(t.done() for t in tasks):
                         aborted += 1
@@ -232,6 +253,8 @@ class RolloutManager:
         metrics = self._rollout_metrics(samples)
         metrics.update({f"rollout/buffer/{k}": float(v) for k, v in batch.counts.items()})
         metrics["rollout/aborts"] = float(aborted)
+        if self.adaptive:
+            metrics.update(self.source.update([r for _, r in sorted(results, key=lambda x: x[0])]))
         # what happened since the previous batch's report (a restart may begin or end between batches)
         counts = {"engine_restarts": self.pool.restarts_total, "generate_retries": self.generate_retries,
                   "failed_samples": self.failed_samples, "reward_timeouts": self.reward.timeouts}
@@ -279,6 +302,10 @@ class RolloutManager:
             metrics[f"eval/{ev.name}/reward"] = statistics.fmean(
                 s.scalar_reward(key) if s.reward is not None else 0.0 for s in flat)
             metrics[f"eval/{ev.name}/response_len"] = statistics.fmean(s.response_length for s in flat)
+            levels = sorted({g[0].metadata["level"] for g in done if "level" in g[0].metadata})
+            for level in levels if len(levels) > 1 else []:
+                metrics[f"eval/{ev.name}/level_{level}/accuracy"] = statistics.fmean(
+                    float(c) for g, cs in zip(done, correct) if g[0].metadata.get("level") == level for c in cs)
             k = 1
             while k <= n:
                 metrics[f"eval/{ev.name}/pass@{k}"] = statistics.fmean(pass_at_k(n, sum(g), k) for g in correct)
