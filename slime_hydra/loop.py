@@ -57,7 +57,7 @@ from slime_hydra import preempt
 from slime_hydra.buffer.rollout_files import load_saved_rollout, save_rollout
 from slime_hydra.buffer.sample import Sample
 from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, complete, find_resume, write_json
-from slime_hydra.cluster.local_ray import LocalRay, dead_actor, worker_log_tail
+from slime_hydra.cluster.local_ray import LocalRay, dead_actor, set_local_ray_env, worker_log_tail
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.model.hf import load_tokenizer
@@ -464,11 +464,10 @@ def _init_ray(cfg: SlimeConfig, run_dir: Path) -> Optional[LocalRay]:
     (cluster/local_ray.py) and connect to it; returns that node (to stop at the end), None when joined."""
     if ray.is_initialized():
         return None
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return None
+    set_local_ray_env()  # a no-op after launch.py's call; checks that ray was imported with it
     d = derive(cfg)
     cpus = max(os.cpu_count() or 1, d.total_gpus if cfg.cluster.gpus_per_node == 0 else 1)
     node = LocalRay(cfg.cluster.cpus_per_node or cpus, run_dir / "logs" / "ray_start.log")

@@ -36,6 +36,26 @@ OWNER_FILE = "driver.pid"
 """In the temp dir: the pid of the driver that started the node (a dir whose driver is gone is stale)."""
 
 
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+"""What a run on one machine needs (docs/architecture.md "Machine facts"): Ray's cluster mode off, so the driver
+reaches the node on 127.0.0.1 (with it on, ``ray.init(address="127.0.0.1:<port>")`` rewrites the address to the
+machine's external one, where the node does not listen, and waits forever); no token auth (a stale
+~/.ray/auth_token would turn it on)."""
+
+
+def set_local_ray_env() -> None:
+    """Put LOCAL_RAY_ENV into os.environ (values the user set win) before ``ray`` is imported: Ray reads cluster
+    mode once, at import. Raises when ray was imported first with cluster mode on (a driver that would hang)."""
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    if "ray" in sys.modules:
+        from ray._private import ray_constants
+
+        if ray_constants.ENABLE_RAY_CLUSTER and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+            raise RuntimeError("ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set, so this driver "
+                               "would not reach a node on 127.0.0.1; export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0")
+
+
 class LocalRay:
     def __init__(self, num_cpus: int, log_path: Path):
         self.num_cpus, self.log_path = num_cpus, Path(log_path)

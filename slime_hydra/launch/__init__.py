@@ -4,6 +4,7 @@
     launch(cfg)           the Hydra task function: validate, then plan or run; exit code 2 on a bad config
 """
 
+import os
 import sys
 from typing import Sequence
 
@@ -11,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from slime_hydra import preempt
+from slime_hydra.cluster.local_ray import set_local_ray_env
 from slime_hydra.config import ConfigError, check_overrides, collect_problems, compose, to_config
 from slime_hydra.config.hydra_errors import as_problems
 from slime_hydra.config.datasets import check_datasets
@@ -86,6 +88,8 @@ def launch(dict_cfg: DictConfig) -> None:
 
         submit(cfg, derived, run_dir, _overrides(), console=console)  # non-blocking: prints the job id and returns
         return
+    if not os.environ.get("RAY_ADDRESS"):
+        set_local_ray_env()  # before loop.py imports ray, which reads it at import
     from slime_hydra.loop import run
 
     outcome = run(cfg, run_dir)

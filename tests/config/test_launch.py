@@ -1,6 +1,7 @@
 """launch.py end to end, as a user runs it: dry runs, --cfg, exit codes, run-directory provenance, sweeps."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -51,6 +52,19 @@ def test_invalid_config_exits_2_listing_every_problem(tmp_path):
     assert "3 config problems" in out.stderr  # n=1 also leaves 32 samples for a 64-sample micro-batch
     assert "rollout.n_samples_per_prompt" in out.stderr and "mutually exclusive" in out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_real_run_without_ray_variables_in_the_environment(tmp_path):
+    """The README's `python launch.py` from a plain shell: without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 exported, Ray
+    (which reads it at import) rewrote the driver's 127.0.0.1 address to the machine's external one and the run
+    waited forever; launch.py now sets it before ray is imported."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
+    env["SLIME_HYDRA_CACHE"] = str(tmp_path / "cache")
+    out = subprocess.run([sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r",
+                          *FAST], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "Connected to Ray cluster" in out.stdout + out.stderr
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["outcome"] == "done"
 
 
 def test_real_run_writes_provenance(tmp_path, monkeypatch):
