@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from slime_hydra.data.config import ON_BAD_LINE, DataConfig, EvalDataConfig
+from slime_hydra.data.config import MAX_LEVELS, ON_BAD_LINE, DataConfig, EvalDataConfig
 
 BAD_REASONS = ("blank_line", "invalid_json", "missing_key", "wrong_type", "template_error")
 """Reasons a row is skipped, the keys of DatasetStats.skipped."""
@@ -172,6 +172,17 @@ def task_levels(cfg: DataConfig, split: str) -> list[int]:
     if cfg.adaptive.enabled and split == "eval":
         return list(range(cfg.adaptive.min_level, min(env.max_level, cfg.adaptive.max_level or env.max_level) + 1))
     return [cfg.level or env.default_level]
+
+
+def sft_levels(cfg: DataConfig) -> Optional[list[int]]:
+    """Levels the warm start of a built model draws its SFT rows from (model/warm_start.py): every level the run
+    may train at: 1..data.level (or the task's default) for a fixed level; with adaptive difficulty, the held-out
+    levels (min_level up to the highest data.task may reach). None for a task without levels (addition) or none."""
+    if cfg.task not in MAX_LEVELS:
+        return None
+    if cfg.adaptive.enabled:
+        return task_levels(cfg, "eval")
+    return list(range(1, task_levels(cfg, "train")[0] + 1))
 
 
 def load_prompt_file(path: str, tokenizer, *, prompt_key: str = "prompt", label_key: str = "label",

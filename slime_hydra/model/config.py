@@ -18,6 +18,11 @@ DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
 """The families train=megatron converts (train/megatron/model.FAMILIES) and model/hf.py builds random-init test
 models of; the MoE ones (qwen3_moe, deepseek_v3) train with train=fsdp only."""
 
+CHAR_VOCAB = 101
+"""Tokens of the character tokenizer (model/tiny.py)."""
+BPE_MIN_VOCAB = 261
+"""The smallest byte-level BPE vocabulary: 5 special tokens + 256 bytes (model/bpe.py)."""
+
 
 @dataclass
 class ModelConfig:
@@ -54,8 +59,15 @@ class ModelConfig:
     moe_ffn_hidden_size: Optional[int] = positive(None)
     """Intermediate width of one routed expert; null for dense models."""
 
+    tokenizer: Optional[str] = choice(None, ("char", "bpe"))
+    """A model built offline when path is null (model/warm_start.py): char (one token per character, model/tiny.py)
+    or bpe (byte-level BPE trained on the task's text, model/bpe.py); null: the model needs path."""
     sft_warm_start_steps: int = non_negative(0)
-    """Built tiny model only (path null): SFT steps on the task's generated answers before RL (0: none)."""
+    """Built model only (path null): SFT steps on the task's generated answers before RL (0: none)."""
+    sft_batch_size: int = positive(64)
+    """Built model only: prompt + answer pairs per SFT step."""
+    sft_lr: float = positive(1e-3)
+    """Built model only: the SFT's AdamW learning rate (constant, no weight decay)."""
 
     @property
     def kv_channels(self) -> int:
@@ -71,9 +83,16 @@ class ModelConfig:
         if not re.fullmatch(r"[\w.+=,@-]+", self.name) or set(self.name) == {"."}:
             yield Problem((f"{prefix}name",), f"{self.name!r} is not a plain name (letters, digits and . _ - + = , @): "
                           "it names the default run directory", f"e.g. {prefix}name=qwen3_8b_sft")
-        if self.path is None and self.name != "tiny":
+        if self.path is None and self.tokenizer is None:
             yield Problem((f"{prefix}path",), f"model={self.name} needs its HF checkpoint directory",
-                          f"set {prefix}path=/path/to/{self.name} (only model=tiny is built offline)")
+                          f"set {prefix}path=/path/to/{self.name} (only model=tiny and model=small are built offline)")
+        if self.path is None and self.tokenizer == "bpe" and self.vocab_size < BPE_MIN_VOCAB:
+            yield Problem((f"{prefix}vocab_size",), f"a byte-level BPE tokenizer needs at least {BPE_MIN_VOCAB} tokens "
+                          f"(5 special + 256 bytes), got {self.vocab_size}", f"set {prefix}vocab_size={BPE_MIN_VOCAB} "
+                          "or more")
+        if self.path is None and self.tokenizer == "char" and self.vocab_size < CHAR_VOCAB:
+            yield Problem((f"{prefix}vocab_size",), f"the character tokenizer has {CHAR_VOCAB} tokens, more than "
+                          f"vocab_size={self.vocab_size}", f"set {prefix}vocab_size={CHAR_VOCAB} or more")
         if self.num_kv_heads > 0 and self.num_attention_heads % self.num_kv_heads:
             yield Problem((f"{prefix}num_attention_heads", f"{prefix}num_kv_heads"),
                           f"num_attention_heads={self.num_attention_heads} is not a multiple of "

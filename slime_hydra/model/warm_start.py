@@ -1,22 +1,26 @@
-"""The embedded default's model: a tiny checkpoint built offline, warm-started by SFT on the task, cached.
+"""A model built offline (``model.path`` null): random init, a tokenizer, an SFT warm start on the task; cached.
 
-    path = resolve_model_path(cfg.model, cfg.data, seed)   # model.path, or the cached tiny checkpoint
+    path = resolve_model_path(cfg.model, cfg.data, seed)   # model.path, or the cached built checkpoint
 
-When ``model.path`` is set it is used as is. Otherwise (model=tiny only: config validation refuses a null path for
-any other model) the checkpoint is built once and cached under ``$SLIME_HYDRA_CACHE`` (default
-``~/.cache/slime_hydra``), keyed by a hash of everything that shapes it (architecture, task, warm-start settings,
-seed, this module's version), so a second run starts at once:
+When ``model.path`` is set it is used as is. Otherwise (model options with ``model.tokenizer`` set: tiny and small;
+config validation refuses a null path for the others) the checkpoint is built once and cached under
+``$SLIME_HYDRA_CACHE`` (default ``~/.cache/slime_hydra``), keyed by a hash of everything that shapes it
+(architecture, tokenizer, task and levels, warm-start settings, seed, this module's version), so a second run starts
+at once:
 
-1. a random-init HF checkpoint of the model option's architecture (``model/hf.py``) with the character tokenizer
-   (``model/tiny.py``);
-2. a supervised warm start on ``model.sft_warm_start_steps`` batches of prompt + answer pairs the task generates
-   (``task.sft_rows``): GRPO from a random init gets no learning signal on a task where every sampled group is
-   all-wrong (measured when the default was designed: 0% held-out accuracy after 1,850 GRPO steps); a short SFT gives the policy a foothold (about a third
-   of answers right) that RL then sharpens.
+1. a random-init HF checkpoint of the model option's architecture (``model/hf.py``) with its tokenizer: the
+   character tokenizer (``model.tokenizer=char``, ``model/tiny.py``) or a byte-level BPE tokenizer trained on the
+   task's text (``bpe``, ``model/bpe.py``);
+2. a supervised warm start on ``model.sft_warm_start_steps`` batches of ``model.sft_batch_size`` prompt + answer
+   pairs the task generates (``task.sft_rows``) at the levels the run uses (``data.dataset.sft_levels``): GRPO from
+   a random init gets no learning signal on a task where every sampled group is all-wrong (measured when the default
+   was designed: 0% held-out accuracy after 1,850 GRPO steps); a short SFT gives the policy a foothold (about a third
+   to a half of answers right) that RL then sharpens.
 
-The SFT is plain single-process torch (AdamW, loss = mean NLL of the answer tokens + EOS); it takes ~30-60 s on a
-2-core CPU. The cache directory is written under a temporary name and renamed, so an interrupted build leaves
-nothing half-made.
+The SFT is plain single-process torch (AdamW at the constant ``model.sft_lr``, loss = mean NLL of the answer tokens
++ EOS), on the GPU when there is one (bf16 autocast, fp32 weights), else on every CPU core (fp32): the tiny model
+takes ~60 s on a 2-core CPU. The driver runs it before Ray starts and frees the GPU memory it used. The cache
+directory is written under a temporary name and renamed, so an interrupted build leaves nothing half-made.
 """
 
 import hashlib
@@ -27,17 +31,18 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
+
 import torch
 
 from slime_hydra.data.config import DataConfig
+from slime_hydra.data.dataset import sft_levels
 from slime_hydra.model.config import ModelConfig
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 """Bump when the build below changes, so stale caches are rebuilt."""
-SFT_BATCH = 64
-"""Prompt + answer pairs per SFT step."""
-SFT_LR = 1e-3
-"""AdamW learning rate of the warm start (constant)."""
+BPE_TEXT_ROWS = 20_000
+"""Prompt + answer pairs a BPE tokenizer learns its merges from (at least; the SFT rows when there are more)."""
 
 
 def cache_root() -> Path:
@@ -45,14 +50,15 @@ def cache_root() -> Path:
 
 
 def resolve_model_path(model: ModelConfig, data: DataConfig, seed: int, log=print) -> Path:
-    """``model.path`` when set; else the cached tiny checkpoint for this model option and data task (built once)."""
+    """``model.path`` when set; else the cached built checkpoint for this model option and data task (built once)."""
     if model.path is not None:
         return Path(model.path)
     if data.task is None:
-        raise ValueError("model.path is null, so the tiny model is built and warm-started on data.task; "
+        raise ValueError(f"model.path is null, so the {model.name} model is built and warm-started on data.task; "
                          "set data.task=addition or model.path=<HF checkpoint dir>")
-    key = json.dumps({"model": asdict(model), "task": data.task, "chat": data.apply_chat_template, "seed": seed,
-                      "version": CACHE_VERSION}, sort_keys=True)
+    levels = sft_levels(data)
+    key = json.dumps({"model": asdict(model), "task": data.task, "levels": levels, "chat": data.apply_chat_template,
+                      "seed": seed, "version": CACHE_VERSION}, sort_keys=True)
     out = cache_root() / f"{model.name}-{data.task}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (out / "config.json").exists():
         return out
@@ -60,7 +66,7 @@ def resolve_model_path(model: ModelConfig, data: DataConfig, seed: int, log=prin
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
-        build_tiny_checkpoint(model, data.task, tmp, seed, data.apply_chat_template, log=log)
+        build_checkpoint(model, data.task, tmp, seed, data.apply_chat_template, levels, log=log)
         (tmp / "build_key.json").write_text(key)
         try:
             tmp.rename(out)
@@ -72,45 +78,63 @@ def resolve_model_path(model: ModelConfig, data: DataConfig, seed: int, log=prin
     return out
 
 
-def build_tiny_checkpoint(model: ModelConfig, task_name: str, out_dir: Path, seed: int, chat_template: bool = True,
-                          log=print) -> Path:
+def build_checkpoint(model: ModelConfig, task_name: str, out_dir: Path, seed: int, chat_template: bool = True,
+                     levels: Optional[list[int]] = None, log=print) -> Path:
     """Random init (seed) + tokenizer + ``model.sft_warm_start_steps`` SFT steps on the task; saved to out_dir.
 
-    chat_template: format SFT prompts as the rollout will (data.apply_chat_template)."""
+    chat_template: format SFT prompts as the rollout will (data.apply_chat_template). levels: the environment's
+    levels to draw SFT rows from (null: the task's own choice; addition has none)."""
     from transformers import AutoModelForCausalLM
 
     from slime_hydra.data.tasks import get_task
+    from slime_hydra.model.bpe import build_bpe_tokenizer
     from slime_hydra.model.hf import build_random_checkpoint
     from slime_hydra.model.tiny import build_tiny_tokenizer
 
-    tokenizer = build_tiny_tokenizer()
+    if model.tokenizer is None:
+        raise ValueError(f"model={model.name} is not built offline (model.tokenizer is null); set model.path")
+    steps, batch = model.sft_warm_start_steps, model.sft_batch_size
+    task = get_task(task_name)
+    n_rows = max(steps * batch, BPE_TEXT_ROWS if model.tokenizer == "bpe" else 0)
+    rows = task.sft_rows(n_rows, seed=seed) if levels is None else task.sft_rows(n_rows, seed=seed, levels=levels)
+    if model.tokenizer == "bpe":
+        tokenizer = build_bpe_tokenizer([text for r in rows for text in (r["prompt"], r["response"])],
+                                        model.vocab_size)
+    else:
+        tokenizer = build_tiny_tokenizer()
     build_random_checkpoint(model, out_dir, seed=seed, tokenizer=tokenizer, eos_token_id=tokenizer.eos_token_id,
                             pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    steps = model.sft_warm_start_steps
     if steps > 0:
-        torch.set_num_threads(os.cpu_count() or 1)  # nothing else runs yet: use every core
-        net = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
-        rows = get_task(task_name).sft_rows(steps * SFT_BATCH, seed=seed)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            torch.set_num_threads(os.cpu_count() or 1)  # nothing else runs yet: use every core
+        net = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).to(device)
         start = time.time()
-        loss = sft(net, tokenizer, rows, steps, seed, chat_template)
-        log(f"  SFT warm start: {steps} steps x {SFT_BATCH} examples in {time.time() - start:.0f} s, "
+        loss = sft(net, tokenizer, rows[:steps * batch], steps, seed, chat_template, lr=model.sft_lr, batch=batch)
+        log(f"  SFT warm start: {steps} steps x {batch} examples on {device} in {time.time() - start:.0f} s, "
             f"final loss {loss:.3f}")
-        net.save_pretrained(out_dir, safe_serialization=True)
+        net.to("cpu").save_pretrained(out_dir, safe_serialization=True)
+        del net
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return out_dir
 
 
-def sft(net, tokenizer, rows: list[dict], steps: int, seed: int, chat_template: bool = True,
-        lr: float = SFT_LR) -> float:
-    """Train net on prompt -> response + EOS (NLL of the response tokens only); return the last step's loss."""
+def sft(net, tokenizer, rows: list[dict], steps: int, seed: int, chat_template: bool = True, lr: float = 1e-3,
+        batch: int = 64) -> float:
+    """Train net on prompt -> response + EOS (NLL of the response tokens only), ``batch`` rows a step, on the
+    device net is on (bf16 autocast on a GPU); return the last step's loss."""
     torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+    device = next(net.parameters()).device
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0, fused=device.type == "cuda" or None)
     net.train()
     loss = torch.tensor(float("nan"))
     for step in range(steps):
-        chunk = rows[step * SFT_BATCH:(step + 1) * SFT_BATCH]
-        ids, mask = _encode(tokenizer, chunk, chat_template)
-        logits = net(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        ids, mask = _encode(tokenizer, rows[step * batch:(step + 1) * batch], chat_template)
+        ids, mask = ids.to(device), mask.to(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = net(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
         loss.backward()
         optimizer.step()
@@ -129,11 +153,12 @@ def render_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
 
 def _encode(tokenizer, rows: list[dict], chat_template: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded [B, L] ids of prompt + response + EOS, and the mask of the response + EOS."""
+    prompts = tokenizer([render_prompt(tokenizer, row["prompt"], chat_template) for row in rows],
+                        add_special_tokens=False)["input_ids"]
+    responses = tokenizer([row["response"] for row in rows], add_special_tokens=False)["input_ids"]
     seqs, masks = [], []
-    for row in rows:
-        prompt = render_prompt(tokenizer, row["prompt"], chat_template)
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        r = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for p, r in zip(prompts, responses):
+        r = r + [tokenizer.eos_token_id]
         seqs.append(p + r)
         masks.append([0.0] * len(p) + [1.0] * len(r))
     width = max(map(len, seqs))

@@ -13,7 +13,7 @@ import torch
 
 from slime_hydra.buffer.sample import Sample, Status
 from slime_hydra.model.config import ModelConfig
-from slime_hydra.model.warm_start import build_tiny_checkpoint
+from slime_hydra.model.warm_start import build_checkpoint
 from slime_hydra.model.hf import load_tokenizer
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.config import RolloutConfig
@@ -110,8 +110,8 @@ def fine_tune(model_dir, tokenizer) -> None:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("calc") / "model"
-    build_tiny_checkpoint(ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128), "addition", model_dir,
-                          seed=0, log=lambda *_: None)
+    build_checkpoint(ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, tokenizer="char"), "addition",
+                     model_dir, seed=0, log=lambda *_: None)
     tokenizer = load_tokenizer(model_dir)
     fine_tune(model_dir, tokenizer)
     proc = start_embedded_engine(str(model_dir), max_batch_size=4, log_path=model_dir.parent / "engine.log")
