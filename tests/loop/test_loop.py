@@ -1,7 +1,7 @@
 """The RL loop end to end through launch.py, as a user runs it: real Ray, router, engine process, trainer rank.
 
 Each run is a few steps of the tiny model (random init: these tests check mechanics, not learning; the learning
-run is scripts/embedded_default.py, recorded in README and docs/benchmarks.md).
+run is `python launch.py` itself, recorded in README and docs/benchmarks.md).
 """
 
 import json
