@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def summarize(run_dir: Path) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    evals = [(r["step"], v) for r in rows for k, v in r.items() if k.startswith("eval/") and k.endswith("/accuracy")]
+    evals = [(r["step"], v) for r in rows for k, v in r.items()  # the set's accuracy, not its per-level ones
+             if k.startswith("eval/") and k.endswith("/accuracy") and "/level_" not in k]
     train = [r for r in rows if "rollout/raw_reward" in r]
     diff = [r["train/train_rollout_logprob_abs_diff"] for r in train if "train/train_rollout_logprob_abs_diff" in r]
     diff_max = [r["train/train_rollout_logprob_abs_diff_max"] for r in train

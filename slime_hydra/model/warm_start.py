@@ -5,8 +5,8 @@
 When ``model.path`` is set it is used as is. Otherwise (model options with ``model.tokenizer`` set: tiny and small;
 config validation refuses a null path for the others) the checkpoint is built once and cached under
 ``$SLIME_HYDRA_CACHE`` (default ``~/.cache/slime_hydra``), keyed by a hash of everything that shapes it
-(architecture, tokenizer, task and levels, warm-start settings, seed, this module's version), so a second run starts
-at once:
+(architecture, tokenizer, task and levels, a sample of the task's SFT rows, warm-start settings, seed, this module's
+version), so a second run starts at once and a task whose problems changed is built again:
 
 1. a random-init HF checkpoint of the model option's architecture (``model/hf.py``) with its tokenizer: the
    character tokenizer (``model.tokenizer=char``, ``model/tiny.py``) or a byte-level BPE tokenizer trained on the
@@ -37,6 +37,7 @@ import torch
 
 from slime_hydra.data.config import DataConfig
 from slime_hydra.data.dataset import sft_levels
+from slime_hydra.data.tasks import get_task
 from slime_hydra.model.config import ModelConfig
 
 CACHE_VERSION = 3
@@ -49,6 +50,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("SLIME_HYDRA_CACHE", Path.home() / ".cache" / "slime_hydra"))
 
 
+def cache_dir(model: ModelConfig, data: DataConfig, seed: int) -> tuple[Path, str]:
+    """The built checkpoint's cache directory and the key it is named by (a hash of everything that shapes the
+    build; the task's first SFT rows stand for its problems, so a changed task gets a new build)."""
+    levels = sft_levels(data)
+    task = get_task(data.task)
+    sample = task.sft_rows(16, seed=seed) if levels is None else task.sft_rows(16, seed=seed, levels=levels)
+    key = json.dumps({"model": asdict(model), "task": data.task, "levels": levels, "chat": data.apply_chat_template,
+                      "rows": sample, "seed": seed, "version": CACHE_VERSION}, sort_keys=True)
+    return cache_root() / f"{model.name}-{data.task}-{hashlib.sha256(key.encode()).hexdigest()[:12]}", key
+
+
 def resolve_model_path(model: ModelConfig, data: DataConfig, seed: int, log=print) -> Path:
     """``model.path`` when set; else the cached built checkpoint for this model option and data task (built once)."""
     if model.path is not None:
@@ -57,9 +69,7 @@ def resolve_model_path(model: ModelConfig, data: DataConfig, seed: int, log=prin
         raise ValueError(f"model.path is null, so the {model.name} model is built and warm-started on data.task; "
                          "set data.task=addition or model.path=<HF checkpoint dir>")
     levels = sft_levels(data)
-    key = json.dumps({"model": asdict(model), "task": data.task, "levels": levels, "chat": data.apply_chat_template,
-                      "seed": seed, "version": CACHE_VERSION}, sort_keys=True)
-    out = cache_root() / f"{model.name}-{data.task}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    out, key = cache_dir(model, data, seed)
     if (out / "config.json").exists():
         return out
     log(f"building the {model.name} model and its SFT warm start on task {data.task!r} (once; cached at {out})")
@@ -86,7 +96,6 @@ def build_checkpoint(model: ModelConfig, task_name: str, out_dir: Path, seed: in
     levels to draw SFT rows from (null: the task's own choice; addition has none)."""
     from transformers import AutoModelForCausalLM
 
-    from slime_hydra.data.tasks import get_task
     from slime_hydra.model.bpe import build_bpe_tokenizer
     from slime_hydra.model.hf import build_random_checkpoint
     from slime_hydra.model.tiny import build_tiny_tokenizer

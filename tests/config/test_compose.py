@@ -87,7 +87,7 @@ def test_recipe_families_cover_every_model_family():
 def test_embedded_default_values_and_tiny_tuning():
     cfg, d = load()
     assert (cfg.model.name, cfg.algo.name, cfg.rollout.backend, cfg.train.backend) == ("tiny", "grpo", "embedded", "fsdp")
-    assert (cfg.train.lr, cfg.train.dtype, cfg.num_steps, cfg.model.sft_warm_start_steps) == (2e-4, "fp32", 120, 350)
+    assert (cfg.train.lr, cfg.train.dtype, cfg.num_steps, cfg.model.sft_warm_start_steps) == (2e-4, "fp32", 200, 350)
     # ... conf/tuning/tiny.yaml applies for model=tiny ...
     big, _ = load("model=qwen3_8b", "model.path=/ckpt", "cluster=slurm", "rollout.num_gpus=1")
     assert (big.train.lr, big.train.dtype, big.num_steps) == (1e-6, "bf16", 200)  # ... and only for it

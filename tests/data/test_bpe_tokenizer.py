@@ -7,11 +7,11 @@ import torch
 
 from slime_hydra.config import compose, to_config
 from slime_hydra.data.dataset import sft_levels
-from slime_hydra.data.tasks import get_task
+from slime_hydra.data.tasks import arithmetic, get_task
 from slime_hydra.model.bpe import MIN_VOCAB, build_bpe_tokenizer
 from slime_hydra.model.hf import load_tokenizer
 from slime_hydra.model.tiny import build_tiny_tokenizer
-from slime_hydra.model.warm_start import resolve_model_path
+from slime_hydra.model.warm_start import cache_dir, resolve_model_path
 
 
 def corpus(n=2000):
@@ -95,7 +95,11 @@ def test_model_small_builds_offline_with_its_bpe_tokenizer_on_the_runs_levels(tm
     net = AutoModelForCausalLM.from_pretrained(path)
     assert net.config.vocab_size == 1024 and len(tok) <= 1024
     assert not any(torch.isnan(p).any() for p in net.parameters())
-    # The cache key holds the levels: another max_level is another build; the same config finds the first.
+    # The cache key holds the levels and the task's problems: another max_level, or a level whose problems changed,
+    # is another build; the same config finds the first.
     assert resolve_model_path(cfg.model, cfg.data, cfg.seed, log=logs.append) == path
+    assert cache_dir(cfg.model, cfg.data, cfg.seed)[0] == path
     other = to_config(compose([*SMALL_ON_CPU, "data.adaptive.max_level=2"]))
-    assert resolve_model_path(other.model, other.data, other.seed, log=lambda *_: None) != path
+    assert cache_dir(other.model, other.data, other.seed)[0] != path
+    monkeypatch.setitem(arithmetic.LEVELS, 3, (3, 2, "+-"))
+    assert cache_dir(cfg.model, cfg.data, cfg.seed)[0] != path
