@@ -19,7 +19,8 @@ version), so a second run starts at once and a task whose problems changed is bu
 
 The SFT is plain single-process torch (AdamW at the constant ``model.sft_lr``, loss = mean NLL of the answer tokens
 + EOS), on the GPU when there is one (bf16 autocast, fp32 weights), else on every CPU core (fp32): the tiny model
-takes ~60 s on a 2-core CPU. The driver runs it before Ray starts and frees the GPU memory it used. The cache
+takes ~60 s on a 2-core CPU. The driver runs it before Ray starts; where CUDA is available, in a child process
+(``resolve_model_path``), so the driver holds no CUDA context afterwards. The cache
 directory is written under a temporary name and renamed, so an interrupted build leaves nothing half-made.
 """
 
@@ -27,6 +28,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -61,8 +64,13 @@ def cache_dir(model: ModelConfig, data: DataConfig, seed: int) -> tuple[Path, st
     return cache_root() / f"{model.name}-{data.task}-{hashlib.sha256(key.encode()).hexdigest()[:12]}", key
 
 
-def resolve_model_path(model: ModelConfig, data: DataConfig, seed: int, log=print) -> Path:
-    """``model.path`` when set; else the cached built checkpoint for this model option and data task (built once)."""
+def resolve_model_path(model: ModelConfig, data: DataConfig, seed: int, log=print,
+                       in_child: Optional[bool] = None) -> Path:
+    """``model.path`` when set; else the cached built checkpoint for this model option and data task (built once).
+
+    in_child: build in a child process (``python -m slime_hydra.model.warm_start``), its output passed to ``log`` line
+    by line. Default: when CUDA is available, so the driver, which goes on to run the whole job, holds no CUDA
+    context (~0.5 GiB of GPU memory that no memory plan counts) and no SFT memory; on a CPU in process, as before."""
     if model.path is not None:
         return Path(model.path)
     if data.task is None:
@@ -76,7 +84,10 @@ def resolve_model_path(model: ModelConfig, data: DataConfig, seed: int, log=prin
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
-        build_checkpoint(model, data.task, tmp, seed, data.apply_chat_template, levels, log=log)
+        if torch.cuda.is_available() if in_child is None else in_child:
+            _build_in_child(model, data.task, tmp, seed, data.apply_chat_template, levels, log)
+        else:
+            build_checkpoint(model, data.task, tmp, seed, data.apply_chat_template, levels, log=log)
         (tmp / "build_key.json").write_text(key)
         try:
             tmp.rename(out)
@@ -86,6 +97,29 @@ def resolve_model_path(model: ModelConfig, data: DataConfig, seed: int, log=prin
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _build_in_child(model: ModelConfig, task_name: str, out_dir: Path, seed: int, chat_template: bool,
+                    levels: Optional[list[int]], log) -> None:
+    """``build_checkpoint`` in a fresh Python process (``main`` below), its output lines passed to ``log``."""
+    spec = json.dumps({"model": asdict(model), "task": task_name, "out_dir": str(out_dir), "seed": seed,
+                       "chat_template": chat_template, "levels": levels})
+    child = subprocess.Popen([sys.executable, "-m", "slime_hydra.model.warm_start", spec], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in child.stdout:
+        lines.append(line.rstrip("\n"))
+        log(lines[-1])
+    if child.wait() != 0:
+        tail = "\n".join(lines[-20:])
+        raise RuntimeError(f"building the {model.name} model failed in its child process (exit {child.returncode}):\n{tail}")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """The child of ``_build_in_child``: one JSON argument with build_checkpoint's arguments."""
+    spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    build_checkpoint(ModelConfig(**spec["model"]), spec["task"], Path(spec["out_dir"]), spec["seed"],
+                     spec["chat_template"], spec["levels"], log=lambda line: print(line, flush=True))
 
 
 def build_checkpoint(model: ModelConfig, task_name: str, out_dir: Path, seed: int, chat_template: bool = True,
@@ -177,3 +211,7 @@ def _encode(tokenizer, rows: list[dict], chat_template: bool) -> tuple[torch.Ten
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(m)] = torch.tensor(m)
     return ids, mask
+
+
+if __name__ == "__main__":
+    main()

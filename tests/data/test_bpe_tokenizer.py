@@ -103,3 +103,26 @@ def test_model_small_builds_offline_with_its_bpe_tokenizer_on_the_runs_levels(tm
     assert cache_dir(other.model, other.data, other.seed)[0] != path
     monkeypatch.setitem(arithmetic.LEVELS, 3, (3, 2, "+-"))
     assert cache_dir(cfg.model, cfg.data, cfg.seed)[0] != path
+
+
+def test_a_build_in_a_child_process_gives_the_same_weights_and_passes_its_log(tmp_path, monkeypatch):
+    """Where CUDA is available the driver builds in a child process (so it holds no CUDA context afterwards); here
+    the child is forced: bitwise the weights of an in-process build, its output lines reach ``log``."""
+    from safetensors.torch import load_file
+
+    tiny = to_config(compose(["model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64",
+                              "model.num_attention_heads=2", "model.num_kv_heads=1", "model.sft_warm_start_steps=5"]))
+    paths, logs = {}, {}
+    for in_child in (False, True):
+        monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path / str(in_child)))
+        logs[in_child] = []
+        paths[in_child] = resolve_model_path(tiny.model, tiny.data, tiny.seed, log=logs[in_child].append,
+                                             in_child=in_child)
+    here, child = (load_file(paths[flag] / "model.safetensors") for flag in (False, True))
+    assert here.keys() == child.keys() and all(torch.equal(here[k], child[k]) for k in here)
+    assert any(line.startswith("  SFT warm start: 5 steps") for line in logs[True])
+    bad = tiny.model.__class__(**{**tiny.model.__dict__, "vocab_size": 8})  # below the character tokenizer's size
+    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path / "bad"))
+    with pytest.raises(RuntimeError, match="failed in its child process"):
+        resolve_model_path(bad, tiny.data, tiny.seed, log=lambda *_: None, in_child=True)
+    assert not list((tmp_path / "bad").iterdir())  # nothing half-made is left

@@ -9,7 +9,7 @@ embedded default's warm start (GRPO from a random init gets no signal on this ta
 
 import random
 
-HELD_OUT_MOD, HELD_OUT_REST = 10, 7
+from slime_hydra.data.tasks.env import HELD_OUT_MOD, HELD_OUT_REST
 
 
 def _problems(held_out: bool) -> list[tuple[int, int]]:
