@@ -317,6 +317,8 @@ class Session:
                 ready, _ = ray.wait([future], timeout=WEIGHTS_POLL_S)
             if ready:
                 break
+            if self.doctor is not None and self.doctor.interrupted:  # its interrupt was swallowed on the way
+                raise KeyboardInterrupt
             if self.trainer is not None and ray.get(self.manager.needs_weights.remote()):
                 self.resend_weights(step, timer)
                 resends += 1

@@ -17,7 +17,8 @@ asks every ``POLL_S`` seconds; after ``after_s`` seconds without progress it
    waits on (generations and reward calls in flight and for how long, engines out of service), or that it did not
    answer within ``PROBE_TIMEOUT_S``;
 3. ``action="stop"``: raises ``StallError`` with the report in the driver's main thread (``_thread.interrupt_main``;
-   ``Session.train`` turns the interrupt into the error), so the run ends through its normal teardown;
+   ``Session.train`` turns the interrupt into the error, and the driver's rollout wait polls ``interrupted`` in case
+   the interrupt was swallowed), so the run ends through its normal teardown;
    ``"wait"``: keeps waiting and reports again after every further ``after_s`` without progress.
 
 Why by hand: no library watches an RL loop's progress; the stacks come from the libraries that read them
@@ -97,6 +98,9 @@ class StallDoctor:
         self.verdict: Optional[str] = None
         """The report that stopped the run (action stop), for the main thread to raise."""
         self.reports: list[Path] = []
+        self.interrupted = False
+        """The main thread was interrupted to stop the run. Its waiting loops check this too: an interrupt that lands
+        in code that swallows KeyboardInterrupt is lost (seen once in CI: the run waited on after its report)."""
         self._last_progress = time.monotonic()
         self._last_count: Optional[int] = None
         self._stop = threading.Event()
@@ -134,6 +138,7 @@ class StallDoctor:
             if self.action == "stop":
                 self.verdict = report
                 _thread.interrupt_main()
+                self.interrupted = True
                 return
             self._last_progress = time.monotonic()  # wait: report again after another after_s
 

@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
+from slime_hydra import stall
 from slime_hydra.config import PROJECT_ROOT
 from tests.loop.test_loop import SMALL
 
@@ -52,3 +54,28 @@ def test_a_reward_that_never_returns_is_found_and_stops_the_run(tmp_path):
     record = json.loads((run / "run.json").read_text())
     assert record["outcome"] == "failed" and record["error"].startswith("StallError: stall: no step finished")
     assert "StallError" in out.stderr
+
+
+def test_an_interrupt_swallowed_on_the_way_still_stops_the_wait(tmp_path, monkeypatch):
+    """action=stop interrupts the main thread, then says so (``interrupted``): the driver's rollout wait checks it, so
+    an interrupt that lands in code that swallows KeyboardInterrupt (once in CI the run waited on after its report)
+    still ends the run. Here the main thread swallows every interrupt, as such code would."""
+    monkeypatch.setattr(stall, "dump_stacks", lambda path: 0)  # no py-spy: only the decision is under test
+    doctor = stall.StallDoctor(tmp_path, 0.2, "stop", probe=lambda: (0, "nothing in flight"), where=lambda: "step 0")
+    swallowed, deadline = 0, time.monotonic() + 60
+    doctor.start()
+    try:
+        while time.monotonic() < deadline:
+            try:
+                if doctor.interrupted:
+                    time.sleep(0.05)  # a pending interrupt lands here, not after the loop
+                    break
+                time.sleep(0.01)
+            except KeyboardInterrupt:
+                swallowed += 1
+    finally:
+        doctor.stop()
+    assert swallowed == 1 and doctor.interrupted
+    assert doctor.verdict.startswith("stall: no step finished and no generation or reward finished for")
+    assert "the driver: step 0" in doctor.verdict and len(doctor.reports) == 1
+
