@@ -112,7 +112,8 @@ def _build_in_child(model: ModelConfig, task_name: str, out_dir: Path, seed: int
         log(lines[-1])
     if child.wait() != 0:
         tail = "\n".join(lines[-20:])
-        raise RuntimeError(f"building the {model.name} model failed in its child process (exit {child.returncode}):\n{tail}")
+        raise RuntimeError(f"building the {model.name} model failed in its child process "
+                           f"(exit {child.returncode}):\n{tail}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
