@@ -6,9 +6,15 @@ rank of the group, collectively), implemented by train=fsdp (train/fsdp.py) and 
     logp, entropy = backend.logprobs(batch, policy="current" | "ref", temperature, with_entropy)  # [B, T] on host
     metrics = backend.train_step(batch, loss_fn, temperature, with_entropy)  # one optimizer step; grad_norm, lr
     for hf_name, tensor in backend.iter_full_weights(): ...                  # weight sync, HF names, full tensors
+    for key, tensor in backend.iter_adapter_weights(): ...                  # train.lora: A and B only (lora.py)
     backend.save(dir, background); backend.load(dir); backend.export_hf(dir)  # resumable checkpoint / HF export
+    backend.export_adapter(dir)                                              # train.lora: a PEFT adapter directory
     seconds = backend.save_finished(wait)                                   # None while a background write runs
     backend.offload(); backend.onload()                                      # colocated GPUs (train/offload.py)
+
+With train.lora the base weights are frozen: ``iter_full_weights`` and ``export_hf`` give merged weights
+(W + scale * B A), the reference policy is the base model (the adapter switched off), checkpoints hold the adapter
+and its optimizer state only (the base loads from the model path).
 
 ``batch`` is this rank's share of the global batch (train/batch.TrainBatch: right-padded rows, response columns
 [B, T]). A critic (PPO) returns its values V(s_j) from ``logprobs`` / ``values`` in place of logprobs.
@@ -75,6 +81,23 @@ class TrainBackend(ComputeCopyBackend):
     @abstractmethod
     def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) for every HF state-dict entry. Collective."""
+
+    def iter_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """train.lora: (adapter key, full tensor) for every A and B matrix (train/lora.adapter_key). Collective."""
+        raise ValueError("iter_adapter_weights needs train.lora.rank > 0")
+
+    def export_adapter(self, out_dir: str | Path) -> None:
+        """train.lora: a PEFT adapter directory of the current adapter (lora.write_adapter); rank 0 writes.
+        Collective."""
+        from slime_hydra.train.lora import write_adapter
+
+        named = self.iter_adapter_weights()
+        if dist.get_rank() == 0:
+            write_adapter(out_dir, self.train_cfg.lora, named)
+        else:
+            for _ in named:  # the gathers are collective
+                pass
+        dist.barrier()
 
     @abstractmethod
     def export_hf(self, out_dir: str | Path) -> None:

@@ -6,9 +6,9 @@ Batch arithmetic (checked in config/rules.py, derived in config/derive.py):
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
-from slime_hydra.options import choice, non_negative, positive, within
+from slime_hydra.options import Problem, choice, non_negative, positive, within
 
 TRAIN_BACKENDS = ("fsdp", "megatron")
 """train.backend: the trainer implementations (train/group.py picks the class)."""
@@ -18,6 +18,59 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine")
 """train.lr_decay_style: schedules after warmup (train/optim.py)."""
 WEIGHT_SYNC_METHODS = ("distributed", "tensor", "disk")
 """How weights reach the engines (train/weight_sync.py); train.weight_sync may also say ``auto``."""
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""train.lora.target_modules: the decoder's linear layers by their HF module names (Llama / Qwen2 / Qwen3 / GLM-4
+spelling); train=megatron adapts the fused linear_qkv / linear_fc1 as the same per-module adapters."""
+LORA_BIAS = ("none", "all", "lora_only")
+"""train.lora.bias: which biases train beside the adapters (PEFT's ``bias``)."""
+LORA_SYNC = ("merged", "adapter")
+"""How a LoRA policy reaches the engines: W + scale * B A merged into full weights, or the adapter alone."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA (train/lora.py): the base weights frozen, each targeted linear W x becomes W x + (alpha / rank) B A x
+    with A [rank, in] (random) and B [out, rank] (zeros: at step 0 the policy is the base model). Only A, B (and
+    the biases ``bias`` names) carry gradients and optimizer state; the reference policy is the base model with the
+    adapter switched off."""
+
+    rank: int = non_negative(0)
+    """Adapter rank r; 0 turns LoRA off (full fine-tuning)."""
+    alpha: float = positive(32.0)
+    """Scale numerator: the update is (alpha / rank) * B A."""
+    dropout: float = within(0.0, 0.0, 1.0, high_open=True)
+    """Dropout on the adapter's input while training (logprobs and rollout never drop)."""
+    target_modules: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Linear layers that get adapters, among LORA_TARGETS."""
+    bias: str = choice("none", LORA_BIAS)
+    """none | all (every bias trains) | lora_only (biases of adapted layers train)."""
+    sync: str = choice("auto", ("auto",) + LORA_SYNC)
+    """auto (adapter when every engine applies adapters, else merged) | merged (full weights, any engine) | adapter
+    (A and B only: the embedded engine computes W x + scale * B A x at run time)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank."""
+        return self.alpha / self.rank
+
+    def check(self, prefix: str) -> Iterator[Problem]:
+        """What the field domains cannot say (options.py)."""
+        if not self.enabled:
+            return
+        if not self.target_modules:
+            yield Problem((f"{prefix}target_modules",), "LoRA with no target module adapts nothing",
+                          f"set {prefix}target_modules=[q_proj,v_proj] (or any of {', '.join(LORA_TARGETS)})")
+        for i, name in enumerate(self.target_modules):
+            if name not in LORA_TARGETS:
+                yield Problem((f"{prefix}target_modules.{i}",), f"'{name}' is not a decoder linear layer",
+                              f"choose among {', '.join(LORA_TARGETS)}")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            yield Problem((f"{prefix}target_modules",), f"{list(self.target_modules)} names a module twice",
+                          "list each module once")
 
 
 @dataclass
@@ -88,6 +141,8 @@ class TrainConfig:
     """auto (tensor when colocated, distributed otherwise) | tensor | distributed | disk."""
     weight_sync_bucket_mb: int = positive(512)
     """Size bound of one weight-sync bucket in MiB."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters in place of full fine-tuning (off while lora.rank is 0)."""
     megatron: Dict[str, Any] = field(default_factory=dict)
     """Passthrough Megatron options (argparse destinations), checked against a pinned snapshot of the names."""
 
