@@ -21,6 +21,10 @@ embedded engine and the rollout manager's replay, the receivers).
   with different ``CUDA_VISIBLE_DEVICES``, UUIDs do not). The sender must keep the buffer alive until the
   request returns. JSON, not pickle, so a request still cannot run code.
 
+LoRA adapters (train.lora with adapter sync) travel by any of these under PEFT's saved-adapter keys
+(``adapter_key``: ``base_model.model.<HF module>.lora_A.weight`` / ``lora_B``), the names a PEFT adapter directory
+holds; an engine that applies adapters maps them onto its own modules (``split_adapter_key``).
+
 Dtype names travel as torch's names without the ``torch.`` prefix (``bfloat16``); both spellings are accepted.
 
 Sockets: gloo binds to the address the hostname resolves to and NCCL to the first non-loopback interface (unless
@@ -45,6 +49,22 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+ADAPTER_PREFIX = "base_model.model."
+"""PEFT's prefix of every key in a saved adapter (the PeftModel -> LoraModel -> HF model nesting)."""
+
+
+def adapter_key(module: str, which: str) -> str:
+    """The saved-adapter key of ``module``'s (HF dotted path) ``which`` ("A" or "B") matrix."""
+    return f"{ADAPTER_PREFIX}{module}.lora_{which}.weight"
+
+
+def split_adapter_key(key: str) -> Optional[tuple[str, str]]:
+    """Inverse of ``adapter_key``: (HF module path, "A" | "B"), or None for a key that is not an adapter's."""
+    if not key.startswith(ADAPTER_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
+        return None
+    return key[len(ADAPTER_PREFIX):-len(".lora_A.weight")], key[-len("A.weight")]
 
 
 def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -24,6 +24,14 @@ generate and ``onload`` brings them back (train/offload.Offloadable).
 
 Reference policy: the initial weights' local shards are kept on the host; ``logprobs(..., policy="ref")`` copies
 them into the parameters, runs the forward, and copies the trained shards back (slime's swap; no second GPU copy).
+
+LoRA (train.lora, train/lora.py): the actor is PEFT's model around the HF one (``get_peft_model``). The base weights
+load in the compute dtype and stay frozen: no fp32 master, no gradient, no optimizer state (no ComputeCopy either:
+PEFT keeps the adapters in fp32 and runs them in fp32 on the upcast input, adding into the base layer's output).
+Over several ranks FSDP2 casts every parameter to the compute dtype (its all-gather takes one dtype), so there the
+adapters compute in bf16. The reference policy is the same model inside PEFT's ``disable_adapter``; checkpoints hold
+only the trainable tensors (``ignore_frozen_params``); weight sync and export merge W + scale * B A. PPO's critic
+trains fully.
 """
 
 import copy
@@ -37,6 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from peft import get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from slime_hydra.checkpoint import write_json
@@ -49,6 +58,7 @@ from slime_hydra.train.backend import (
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.optim import build_optimizer
+from slime_hydra.train.lora import merged_weights, peft_adapter_weights, peft_config, seeded_init
 
 
 class FSDPBackend(TrainBackend):
@@ -65,20 +75,26 @@ class FSDPBackend(TrainBackend):
         if role not in ("actor", "critic"):
             raise ValueError(f"role must be actor or critic, got {role!r}")
         self.role = role
+        low = compute_dtype(train, self.device)
+        self.lora = train.lora.enabled and role == "actor"
         if role == "critic":  # PPO's value model: the same trunk with a fresh 1-output head ("score")
             config = AutoConfig.from_pretrained(model_path, num_labels=1, classifier_dropout=0.0)  # deterministic
             model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, dtype=torch.float32,
                                                                     attn_implementation="sdpa")
         else:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=low if self.lora else torch.float32,
+                                                         attn_implementation="sdpa")
         if train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf = model
+        if self.lora:  # A, B in fp32 (autocast_adapter_dtype); everything else frozen
+            with seeded_init():
+                model = get_peft_model(model, peft_config(train.lora), autocast_adapter_dtype=True)
         model.to(self.device)
-        low = compute_dtype(train, self.device)
         self.compiled = train.compile if train.compile is not None else self.device.type == "cuda"
         self._head = torch.compile(response_logprobs) if self.compiled else response_logprobs
         if self.compiled:  # the forward only: FSDP's hooks (dynamo-disabled) run eagerly around it
-            for layer in model.model.layers:
+            for layer in hf.model.layers:
                 layer.forward = torch.compile(layer.forward, fullgraph=True, options=compile_options(train))
         self.fsdp = self.world > 1 if fsdp is None else fsdp
         if self.world > 1 and not self.fsdp:
@@ -86,16 +102,17 @@ class FSDPBackend(TrainBackend):
         self._compute = None
         if self.fsdp:
             mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-            for layer in model.model.layers:  # one rank (fsdp=True in tests): keep layers unsharded for the backward
+            for layer in hf.model.layers:  # one rank (fsdp=True in tests): keep layers unsharded for the backward
                 fully_shard(layer, mp_policy=mp, reshard_after_forward=self.world > 1)
             fully_shard(model, mp_policy=mp)
-        elif low != torch.float32:
+        elif low != torch.float32 and not self.lora:
             self._compute = ComputeCopy(model, low)
-        self.model = model
+        self.model, self.hf = model, hf
         peak = train.critic_lr if role == "critic" else train.lr
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), train, total_steps, peak)
         self.step = 0
-        self._ref_shards = host_copy(self._local_shards()) if keep_reference else None
+        self.keep_reference = keep_reference
+        self._ref_shards = host_copy(self._local_shards()) if keep_reference and not self.lora else None
         # a gloo group of its own for DCP's background thread (made at the first background save): its collectives
         # then never interleave with the training's on the default group
         self._save_group = None
@@ -119,10 +136,9 @@ class FSDPBackend(TrainBackend):
         """[B, T] logprobs (and entropy) of the response tokens under the current or the reference policy.
 
         For the critic this returns the values V(s_j) instead (see ``values``)."""
-        if policy == "ref" and self._ref_shards is None:
+        if policy == "ref" and not self.keep_reference:
             raise ValueError("no reference policy kept: construct with keep_reference=True")
-        with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext(), \
-                self._computing():
+        with self._policy(policy), self._computing():
             self.model.eval()
             filled = BatchLogprobs(batch, self.device, with_entropy)
             for idx in micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu):
@@ -132,6 +148,13 @@ class FSDPBackend(TrainBackend):
             if self.fsdp:
                 self.model.reshard()  # FSDP2 keeps the root's parameters unsharded after a forward without backward
         return filled.host()
+
+    def _policy(self, policy: str):
+        """The block runs the current policy, or the reference: the base model under LoRA, else the initial
+        weights swapped in."""
+        if policy != "ref":
+            return nullcontext()
+        return self.model.disable_adapter() if self.lora else swapped_in(self._local_shards(), self._ref_shards)
 
     # ---- training ---------------------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, temperature: float = 1.0,
@@ -156,7 +179,7 @@ class FSDPBackend(TrainBackend):
                     self._compute.accumulate_grads()
                 step_metrics.add(metrics, weight)
         max_norm = self.train_cfg.clip_grad if self.train_cfg.clip_grad > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], max_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -169,16 +192,33 @@ class FSDPBackend(TrainBackend):
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) for every parameter and buffer, gathered one at a time. Collective: all ranks."""
+        """(HF name, full tensor) for every parameter and buffer, gathered one at a time (LoRA: merged,
+        lora.merged_weights). Collective: all ranks."""
+        gathered = self._gathered()
+        yield from merged_weights(gathered, self.train_cfg.lora.scale) if self.lora else gathered
+
+    def iter_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self.lora:
+            return super().iter_adapter_weights()
+        return peft_adapter_weights(self._gathered(only_trainable=True))
+
+    def _gathered(self, only_trainable: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(state-dict name, full tensor), gathered one at a time. Collective."""
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
         for name, tensor in self.model.state_dict().items():
+            if only_trainable and name not in trainable:
+                continue
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             yield name, full.detach()
 
     def export_hf(self, out_dir: str | Path) -> None:
         """Write an HF checkpoint (config + safetensors) of the current weights; rank 0 writes. Collective."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.lora:
+            state = {name: t.to("cpu") for name, t in self.iter_full_weights()}
+        else:
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if dist.get_rank() == 0:
-            config = self.model.config
+            config = self.hf.config
             auto = AutoModelForTokenClassification if self.role == "critic" else AutoModelForCausalLM
             net = auto.from_config(config, dtype=torch.float32)
             net.load_state_dict(state, strict=False)
@@ -197,7 +237,7 @@ class FSDPBackend(TrainBackend):
         taken now (the RNG state is a fresh copy, the reference shards never change, the scheduler is copied)."""
         self.writer.finished(wait=True)  # the stager's buffers still feed a running write until it ends
         ckpt_dir = Path(ckpt_dir)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._state_dicts()
         state, rank = {"model": model_sd, "optim": optim_sd}, dist.get_rank()
         local = {"rng": rng_state(), "ref": self._ref_shards}
         meta = copy.deepcopy({"step": self.step, "scheduler": self.scheduler.state_dict(), "world": self.world})
@@ -223,18 +263,32 @@ class FSDPBackend(TrainBackend):
         meta = json.loads((ckpt_dir / "trainer.json").read_text())
         if meta["world"] != self.world:
             raise ValueError(f"checkpoint {ckpt_dir} was saved by {meta['world']} ranks, this run has {self.world}")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._state_dicts()
         state = {"model": model_sd, "optim": optim_sd}
         # Not weights_only, and not ours to change: torch.distributed.checkpoint's reader unpickles its .metadata
         # file and loads non-tensor entries (the optimizer's param_groups) with weights_only=False (torch 2.13), so
         # the dcp/ folder must be trusted like code. The per-rank file below is loaded weights_only.
         dcp.load(state, checkpoint_id=str(ckpt_dir / "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self._state_options())
         self.scheduler.load_state_dict(meta["scheduler"])
         self.step = meta["step"]
         local = load_rank_file(ckpt_dir / f"rank{dist.get_rank()}.pt")
         set_rng_state(local["rng"])
         self._ref_shards = pinned(local["ref"])
+
+    def _state_dicts(self) -> tuple[dict, dict]:
+        """Model and optimizer state dicts of what a checkpoint holds: every tensor, or under LoRA only the
+        trainable ones (the frozen base reloads from the model path; DCP's ``ignore_frozen_params`` alone keeps a
+        tied LM head)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options())
+        if self.lora:
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            model_sd = {name: t for name, t in model_sd.items() if name in trainable}
+        return model_sd, optim_sd
+
+    def _state_options(self) -> StateDictOptions:
+        return StateDictOptions(ignore_frozen_params=self.lora, strict=not self.lora)
 
     # ---- reference swap ---------------------------------------------------------------------------------------
     def _local_shards(self) -> dict[str, torch.Tensor]:

@@ -4,13 +4,14 @@
 
 train=fsdp wraps the HF model with PEFT (``peft_config``); train=megatron adapts megatron-core's parallel linears
 to the same function (train/megatron/lora.py). Both name an adapter tensor the way PEFT's saved adapters do
-(``adapter_key``: ``base_model.model.<HF module>.lora_A.weight``), so the weight sync, the engines and
+(weight_transport.adapter_key: ``base_model.model.<HF module>.lora_A.weight``), so the weight sync, the engines and
 ``write_adapter``'s PEFT directory share one spelling, and a PEFT directory loads into transformers + peft, SGLang's
 ``/load_lora_adapter`` or our embedded engine alike. Merged weights (``merge``) are W + s * B A computed in fp32
 and rounded once to W's dtype.
 """
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -19,9 +20,13 @@ import torch
 from safetensors.torch import save_file
 
 from slime_hydra.train.config import LoraConfig
+from slime_hydra.weight_transport import ADAPTER_PREFIX, adapter_key
 
-ADAPTER_PREFIX = "base_model.model."
-"""PEFT's prefix of every key in a saved adapter (the PeftModel -> LoraModel -> HF model nesting)."""
+INIT_SEED = 0
+"""Seed of A's random init (``seeded_init``): the same adapter on every rank and in every run, as the base weights
+are (torch seeds each process at random)."""
+PEFT_ADAPTER = "default"
+"""The name PEFT gives the one adapter of a model (its state-dict keys read ``lora_A.default.weight``)."""
 
 
 def peft_config(lora: LoraConfig) -> peft.LoraConfig:
@@ -30,22 +35,54 @@ def peft_config(lora: LoraConfig) -> peft.LoraConfig:
                            target_modules=list(lora.target_modules), bias=lora.bias, task_type="CAUSAL_LM")
 
 
-def adapter_key(module: str, which: str) -> str:
-    """The saved-adapter key of ``module``'s (HF dotted path) ``which`` ("A" or "B") matrix."""
-    return f"{ADAPTER_PREFIX}{module}.lora_{which}.weight"
-
-
-def split_adapter_key(key: str) -> tuple[str, str]:
-    """Inverse of ``adapter_key``: (HF module path, "A" | "B")."""
-    if not key.startswith(ADAPTER_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
-        raise ValueError(f"'{key}' is not a LoRA adapter key ({ADAPTER_PREFIX}<module>.lora_A|B.weight)")
-    return key[len(ADAPTER_PREFIX):-len(".lora_A.weight")], key[-len("A.weight")]
+@contextmanager
+def seeded_init():
+    """Draw the adapters' init from ``INIT_SEED``; the process's RNG streams are left as they were."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INIT_SEED)
+        yield
 
 
 def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W + scale * B A in fp32, in W's dtype and device."""
     delta = b.to(device=weight.device, dtype=torch.float32) @ a.to(device=weight.device, dtype=torch.float32)
     return (weight.float() + scale * delta).to(weight.dtype)
+
+
+def merged_weights(named: Iterator[tuple[str, torch.Tensor]], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """A PEFT model's state dict (full tensors, in state-dict order) as the HF model's, each adapted linear's weight
+    merged: ``<m>.base_layer.weight``, ``<m>.lora_A.default.weight`` and ``<m>.lora_B.default.weight`` become
+    ``<m>.weight`` = merge(W, A, B, scale) once all three have been seen (they are adjacent in PEFT's order, so at
+    most one module is held); every other tensor passes through under its HF name."""
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        name = name.removeprefix(ADAPTER_PREFIX)
+        for part, leaf in ((".base_layer.", "W"), (f".lora_A.{PEFT_ADAPTER}.", "A"), (f".lora_B.{PEFT_ADAPTER}.", "B")):
+            if part in name:
+                module, rest = name.split(part)
+                break
+        else:
+            yield name, tensor
+            continue
+        if leaf == "W" and rest != "weight":  # the adapted layer's bias
+            yield f"{module}.{rest}", tensor
+            continue
+        parts = held.setdefault(module, {})
+        parts[leaf] = tensor
+        if len(parts) == 3:
+            yield f"{module}.weight", merge(parts["W"], parts["A"], parts["B"], scale)
+            del held[module]
+    if held:
+        raise ValueError(f"adapted modules without their base weight or adapter: {sorted(held)[:4]}")
+
+
+def peft_adapter_weights(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The A and B matrices of a PEFT model's state dict under their saved-adapter keys (``adapter_key``)."""
+    for name, tensor in named:
+        for which in "AB":
+            part = f".lora_{which}.{PEFT_ADAPTER}.weight"
+            if name.endswith(part):
+                yield adapter_key(name.removeprefix(ADAPTER_PREFIX)[:-len(part)], which), tensor
 
 
 def write_adapter(out_dir: str | Path, lora: LoraConfig, named: Iterator[tuple[str, torch.Tensor]],
