@@ -136,7 +136,7 @@ class Session:
             self.start_rollout()
         if self.trainer is not None and self.manager is not None:
             self.trainer.connect_rollout(d.weight_sync, self.manager, cfg.train.weight_sync_bucket_mb, str(run_dir),
-                                         d.engine_dtype)
+                                         d.engine_dtype, adapter=d.lora_sync == "adapter")
         self.step, self.next_rollout = 0, None
         self.timer, self.doctor = StepTimer(), None
         self.last_save = time.monotonic()  # save_every_minutes counts from the start, then from each save
@@ -184,6 +184,7 @@ class Session:
 
         from slime_hydra.rollout.engines.actor import EngineActor, engine_gpu_ids
         from slime_hydra.rollout.manager import RolloutManager
+        from slime_hydra.train.lora import engine_adapter_config
 
         cfg, d = self.cfg, self.d
         first = 0 if cfg.cluster.colocate else d.train_gpus
@@ -194,6 +195,7 @@ class Session:
             sglang = launch_for(cfg, d.engine_dtype, str(self.model_path))
         tp = cfg.rollout.gpus_per_engine
         gpu_ids = engine_gpu_ids(self.pg, first, d.num_engines, tp) if self.on_gpu else [None] * d.num_engines
+        lora = engine_adapter_config(cfg.train.lora) if d.lora_sync == "adapter" else None
         engines = []
         for i in range(d.num_engines):
             gpus = (0.5 if cfg.cluster.colocate else 1.0) if self.on_gpu else 0.0
@@ -201,7 +203,8 @@ class Session:
             actor = ray.remote(EngineActor).options(num_cpus=0, num_gpus=gpus, scheduling_strategy=place)
             engines.append(actor.remote(i, str(self.model_path), str(self.run_dir / "logs"), dtype=d.engine_dtype,
                                         max_batch_size=cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt,
-                                        torch_threads=self.cpu_threads, sglang=sglang, gpu_ids=gpu_ids[i]))
+                                        torch_threads=self.cpu_threads, sglang=sglang, gpu_ids=gpu_ids[i],
+                                        lora=lora))
         self.manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
             cfg, str(self.model_path), str(self.run_dir), engines)
         self.engine_urls = ray.get(self.manager.start.remote())

@@ -9,6 +9,7 @@
     engine_dtype = bfloat16 when training bf16 on GPUs, else float32 (engines compute in the dtype weights are
                    synced in)
     weight_sync = train.weight_sync, with auto resolved from the placement and the engine kind
+    lora_sync   = train.lora.sync with auto resolved (adapter on embedded engines without trained biases), or None
 
 ``derive`` assumes the counts are positive; config/rules.py checks that first and only then derives.
 """
@@ -17,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from slime_hydra.config.schema import SlimeConfig
+from slime_hydra.train.config import LoraConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ class Derived:
     """The engines' compute dtype and the dtype weights are synced in: bfloat16 | float32 (torch names)."""
     weight_sync: str
     """How weights reach the engines: one of train/config.WEIGHT_SYNC_METHODS (``auto`` resolved)."""
+    lora_sync: str | None = None
+    """What a LoRA policy sends: merged | adapter (train/config.LORA_SYNC); None without LoRA."""
 
 
 def resolve_weight_sync(weight_sync: str, colocate: bool, engine: str) -> str:
@@ -58,6 +62,17 @@ def resolve_weight_sync(weight_sync: str, colocate: bool, engine: str) -> str:
     if weight_sync == "auto":
         return ("tensor" if engine == "embedded" else "disk") if colocate else "distributed"
     return weight_sync
+
+
+def resolve_lora_sync(lora: LoraConfig, engine: str) -> str | None:
+    """train.lora.sync with ``auto`` resolved: the adapter alone (megabytes instead of the whole model) where every
+    engine applies adapters, i.e. embedded engines, and the adapter is all that trained (lora.bias=none); else
+    merged weights. None when LoRA is off."""
+    if not lora.enabled:
+        return None
+    if lora.sync == "auto":
+        return "adapter" if engine == "embedded" and lora.bias == "none" else "merged"
+    return lora.sync
 
 
 def gpu_hours_for(derived: Derived, time_min: int) -> float:
@@ -100,4 +115,5 @@ def derive(cfg: SlimeConfig) -> Derived:
         context_tokens=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens,
         engine_dtype="bfloat16" if cfg.cluster.gpus_per_node > 0 and cfg.train.dtype == "bf16" else "float32",
         weight_sync=resolve_weight_sync(cfg.train.weight_sync, cfg.cluster.colocate, cfg.rollout.backend),
+        lora_sync=resolve_lora_sync(cfg.train.lora, cfg.rollout.backend),
     )

@@ -230,6 +230,22 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       "set rollout.n_samples_per_prompt=8 (or more)")
 
 
+def check_lora(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    """train.lora options the engines can honour."""
+    lora = cfg.train.lora
+    if d.lora_sync != "adapter":
+        return
+    if cfg.rollout.backend != "embedded":
+        yield Problem(("train.lora.sync", "rollout.backend"),
+                      f"train.lora.sync=adapter sends only A and B, and rollout.backend={cfg.rollout.backend} engines "
+                      "are not given adapters by this build (SGLang's /load_lora_adapter is not wired yet)",
+                      "set train.lora.sync=merged (or auto)")
+    if lora.bias != "none":
+        yield Problem(("train.lora.sync", "train.lora.bias"),
+                      f"train.lora.bias={lora.bias} trains biases, which the adapter alone does not carry to the "
+                      "engines", "set train.lora.sync=merged (or auto), or train.lora.bias=none")
+
+
 CALCULATOR_GENERATE = "slime_hydra.rollout.tools.calculator_generate"
 """The generate hook the calculator task needs (rollout/tools.py)."""
 
@@ -277,7 +293,7 @@ def _divisor_near(n: int, target: int) -> int:
 
 RULES: tuple[Callable[[SlimeConfig, Derived], Iterator[Problem]], ...] = (
     check_batch, check_parallelism, check_backend, check_rollout, check_placement, check_lengths, check_algo,
-    check_tasks, check_memory,
+    check_tasks, check_lora, check_memory,
 )
 
 

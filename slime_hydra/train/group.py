@@ -66,11 +66,11 @@ class TrainRank:
         """Run a backend method by name on this rank (save, load, export_hf: all collective)."""
         return getattr(self.backend, method)(*args)
 
-    def connect_rollout(self, method: str, manager, bucket_mb: int, run_dir: str, dtype: str) -> None:
+    def connect_rollout(self, method: str, manager, bucket_mb: int, run_dir: str, dtype: str, adapter: bool) -> None:
         """Set up weight sync to the rollout manager's engines (train/weight_sync.py)."""
         from slime_hydra.train.weight_sync import WeightPusher
 
-        self.pusher = WeightPusher(self.backend, method, manager, bucket_mb, run_dir, dtype)
+        self.pusher = WeightPusher(self.backend, method, manager, bucket_mb, run_dir, dtype, adapter)
 
     def push_weights(self, version: int) -> dict:
         return self.pusher.push(version)
@@ -114,9 +114,11 @@ class TrainGroup:
     def call(self, method: str, *args) -> list:
         return ray.get([r.call.remote(method, *args) for r in self.ranks])
 
-    def connect_rollout(self, method: str, manager, bucket_mb: int, run_dir: str, dtype: str) -> None:
-        """method: ``Derived.weight_sync``; dtype: ``Derived.engine_dtype`` (the engines' compute dtype)."""
-        ray.get([r.connect_rollout.remote(method, manager, bucket_mb, run_dir, dtype) for r in self.ranks])
+    def connect_rollout(self, method: str, manager, bucket_mb: int, run_dir: str, dtype: str,
+                        adapter: bool = False) -> None:
+        """method: ``Derived.weight_sync``; dtype: ``Derived.engine_dtype`` (the engines' compute dtype); adapter:
+        the LoRA adapter alone (``Derived.lora_sync``)."""
+        ray.get([r.connect_rollout.remote(method, manager, bucket_mb, run_dir, dtype, adapter) for r in self.ranks])
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Weights of the current policy into every engine as ``version`` (train/weight_sync.py)."""

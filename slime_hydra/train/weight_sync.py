@@ -15,6 +15,10 @@ Run on every training rank at once (gathering full tensors is collective); rank 
 - **disk**: the trainer exports an HF checkpoint to ``<run_dir>/weights/latest`` and the engines reload it with
   ``/update_weights_from_disk``.
 
+With train.lora and ``Derived.lora_sync`` = adapter only the A and B matrices travel (``iter_adapter_weights``,
+under their saved-adapter keys, in fp32 as the trainer computes them; by disk, a PEFT adapter directory at
+``<run_dir>/weights/adapter``); the engines add them to the base they keep. Merged LoRA weights travel as any.
+
 Every sync: generation held in place (``begin_weight_update``), the buckets, then ``finish_weight_update`` (flush
 caches, resume, advance the buffer's version). The last bucket carries the version, so an engine reports the new
 version only once it has every tensor. Tensors are sent in the engines' compute dtype (``Derived.engine_dtype``).
@@ -36,9 +40,11 @@ from slime_hydra.weight_transport import (
 class WeightPusher:
     """Lives on one training rank; ``push`` is called on all ranks together, once per sync."""
 
-    def __init__(self, backend, method: str, manager, bucket_mb: int, run_dir: str, dtype: str):
-        """method: ``Derived.weight_sync``; dtype: the engines' (``Derived.engine_dtype``, a torch dtype name)."""
-        self.backend, self.method, self.manager = backend, method, manager
+    def __init__(self, backend, method: str, manager, bucket_mb: int, run_dir: str, dtype: str,
+                 adapter: bool = False):
+        """method: ``Derived.weight_sync``; dtype: the engines' (``Derived.engine_dtype``, a torch dtype name);
+        adapter: send the LoRA adapter alone (``Derived.lora_sync`` = adapter)."""
+        self.backend, self.method, self.manager, self.adapter = backend, method, manager, adapter
         self.bucket_bytes = bucket_mb * 1024 * 1024
         self.run_dir, self.send_dtype = Path(run_dir), dtype_from_name(dtype)
         self.rank = dist.get_rank()
@@ -63,9 +69,9 @@ class WeightPusher:
         """Every tensor to the engines by this method; returns the bytes sent (rank 0's count)."""
         sent = 0
         if self.method == "disk":
-            out = self.run_dir / "weights" / "latest"
+            out = self.run_dir / "weights" / ("adapter" if self.adapter else "latest")
             out.mkdir(parents=True, exist_ok=True)
-            self.backend.export_hf(out)
+            self.backend.export_adapter(out) if self.adapter else self.backend.export_hf(out)
             if self.rank == 0:
                 ray.get(self.manager.update_weights_from_disk.remote(str(out), version))
                 sent = sum(f.stat().st_size for f in out.glob("*.safetensors"))
@@ -83,6 +89,9 @@ class WeightPusher:
         return sent
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.adapter:
+            yield from self.backend.iter_adapter_weights()
+            return
         for name, tensor in self.backend.iter_full_weights():
             yield name, tensor.to(self.send_dtype) if tensor.is_floating_point() else tensor
 

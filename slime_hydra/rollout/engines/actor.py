@@ -20,6 +20,7 @@ environment, SGLang from a YAML file named by ``--config`` that the actor writes
 directory of its own (``tempfile.mkdtemp``: mode 0700) on the engine's node, and removes when the server stops.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -42,15 +43,17 @@ SGLANG_START_TIMEOUT_S = 1200.0
 class EngineActor:
     def __init__(self, index: int, model_path: str, log_dir: str, dtype: str = "auto", max_batch_size: int = 256,
                  torch_threads: Optional[int] = None, sglang: Optional[SGLangLaunch] = None,
-                 gpu_ids: Optional[list[str]] = None):
+                 gpu_ids: Optional[list[str]] = None, lora: Optional[dict] = None):
         """index: engine number (log name, SGLang seed offset); dtype, max_batch_size, torch_threads: embedded
         engine only; sglang: start this SGLang server instead of the embedded engine; gpu_ids: the engine's GPUs
-        (``engine_gpu_ids``; default: the ones Ray assigned to this actor)."""
+        (``engine_gpu_ids``; default: the ones Ray assigned to this actor); lora: the embedded engine serves the
+        model with these LoRA adapters (a PEFT adapter config; train.lora with adapter sync)."""
         self.index, self.model_path, self.dtype = index, model_path, dtype
         self.gpu_ids = gpu_ids
         self.max_batch_size, self.log_dir = max_batch_size, Path(log_dir)
         self.torch_threads = torch_threads
         self.sglang = sglang
+        self.lora = lora
         self.process: Optional[ServerProcess] = None
         self.port: Optional[int] = None
         self.nccl_port: Optional[int] = None
@@ -74,7 +77,8 @@ class EngineActor:
         self.port = self.port or free_port(host)
         if self.sglang is None:
             device = "cuda" if gpu_ids else "cpu"
-            return embedded_command(self.model_path, host, self.port, device, self.dtype, self.max_batch_size)
+            extra = ["--lora-config", json.dumps(self.lora)] if self.lora else []
+            return embedded_command(self.model_path, host, self.port, device, self.dtype, self.max_batch_size, extra)
         if len(gpu_ids) != self.sglang.tp_size:
             raise RuntimeError(f"engine {self.index} holds GPUs {gpu_ids} from its Ray placement but SGLang runs "
                                f"--tp-size {self.sglang.tp_size} (rollout.gpus_per_engine): the engine actor must "

@@ -6,6 +6,7 @@ is readable by every local user. Without a key the server refuses any host but l
 """
 
 import argparse
+import json
 import logging
 import os
 import time
@@ -50,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch intra-op threads; default: OMP_NUM_THREADS if set, else all cores but one (the "
                              "HTTP loop needs a core: spinning OpenMP workers on every core stall it for seconds)")
+    parser.add_argument("--lora-config", type=json.loads, default=None,
+                        help="a PEFT LoRA adapter config as JSON (adapter_config.json's content): serve the model with "
+                             "these adapters (B = 0 until a weight update sets them), applied at run time")
     parser.add_argument("--max-request-mb", type=int, default=4096, help="largest request body accepted")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
@@ -74,7 +78,7 @@ def main(argv=None) -> None:
     engine = Engine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                     cuda_graph=not args.disable_cuda_graph,
                     context_length=args.context_length, tokenizer_path=args.tokenizer_path,
-                    weight_version=args.weight_version, host=args.host, port=args.port)
+                    weight_version=args.weight_version, host=args.host, port=args.port, lora=args.lora_config)
     runner = engine.runner
     logger.info("loaded %s on %s (%s) in %.1f s; tokenizer: %s; pid %d", runner.model_path, runner.device,
                 runner.dtype, time.monotonic() - started, runner.tokenizer_path, os.getpid())

@@ -5,7 +5,8 @@ scheduler hands each call over at a step boundary).
 ``step`` is the one model call of a scheduler iteration (package docstring, Batching): a prefill into the next free
 slots or a decode of every running row; each produced token is sampled (``sampling``), appended to its request and
 checked against the finish conditions, and finished rows leave the batch (``SlotKV.compact``). As control operations
-it loads weight updates (into the live parameters, or into the parked host copy while released), parks and restores
+it loads weight updates (into the live parameters, or into the parked host copy while released; with LoRA
+adapters, ``lora``, the A and B matrices by their saved-adapter keys), parks and restores
 the weights, and frees the slot cache and the decode graphs. It also keeps ``weight_version`` (the label of the loaded
 weights) and the process groups that distributed weight updates arrive through. It knows nothing of queues or HTTP.
 """
@@ -18,7 +19,7 @@ import torch
 from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError
 from slime_hydra.rollout.engines.embedded.sampling import sample, score_prompt
 from slime_hydra.rollout.engines.embedded.slots import DecodeGraphs, SlotKV, register_attention
-from slime_hydra.weight_transport import destroy_weight_update_group
+from slime_hydra.weight_transport import adapter_key, destroy_weight_update_group, split_adapter_key
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -33,7 +34,10 @@ class ModelRunner:
     """A causal LM, its tokenizer and EOS ids, the running batch in its KV slots, and the weights' version label."""
 
     def __init__(self, model_path: str, device: str, dtype: str, max_batch_size: int, context_length: Optional[int],
-                 tokenizer_path: Optional[str], weight_version: str, cuda_graph: bool):
+                 tokenizer_path: Optional[str], weight_version: str, cuda_graph: bool, lora: Optional[dict] = None):
+        """lora: a PEFT LoRA adapter config (adapter_config.json's dict): its adapters are added to the model (B = 0,
+        so the function is still the base model's until an update sets them) and kept in fp32, as the trainer's
+        PEFT model keeps them: each adapted linear computes W x + (lora_alpha / r) B A x on the upcast input."""
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         from slime_hydra.model.hf import load_tokenizer
@@ -49,6 +53,8 @@ class ModelRunner:
                                  "embedded engine (its logits are the LM head's); serve this model with rollout=sglang")
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
                                                           attn_implementation=register_attention())
+        if lora is not None:
+            self._add_adapters(lora)
         self.model.to(self.device).eval().requires_grad_(False)
         self._body, self._head = self.model.get_decoder(), self.model.get_output_embeddings()
         self.config = self.model.config
@@ -69,6 +75,8 @@ class ModelRunner:
         self.weight_version = weight_version
         self._tensors = self.model.state_dict(keep_vars=True)
         """Name -> parameter/buffer (tied weights appear under each of their names) for loading updates."""
+        self._aliases = self._adapter_aliases()
+        """Names updates may use for tensors the model holds under PEFT's names (adapter keys, base weights)."""
         self._parked: Optional[dict[int, torch.Tensor]] = None
         """While released: id(parameter) -> its host copy."""
         self._groups: dict[str, Any] = {}
@@ -98,11 +106,39 @@ class ModelRunner:
     def released(self) -> bool:
         return self._parked is not None
 
+    def _add_adapters(self, lora: dict) -> None:
+        import peft
+
+        # B = 0 whatever the config says of its init: the engine serves the base until the trainer's adapter arrives
+        peft.inject_adapter_in_model(peft.LoraConfig(**{**lora, "init_lora_weights": True}), self.model)
+        for name, param in self.model.named_parameters():
+            if ".lora_" in name:
+                param.data = param.data.float()
+
+    def _adapter_aliases(self) -> dict[str, str]:
+        """adapter_key(m, X) -> ``m.lora_X.default.weight``; an adapted linear's HF name ``m.weight`` (``m.bias``)
+        -> ``m.base_layer.weight`` (``.bias``), so full HF checkpoints still load."""
+        aliases = {}
+        for name in self._tensors:
+            for which in "AB":
+                if name.endswith(f".lora_{which}.default.weight"):
+                    aliases[adapter_key(name[:-len(f".lora_{which}.default.weight")], which)] = name
+            if ".base_layer." in name:
+                aliases[name.replace(".base_layer.", ".")] = name
+        return aliases
+
+    @property
+    def has_adapters(self) -> bool:
+        return bool(self._aliases)
+
     def load_weights(self, named: dict[str, torch.Tensor], complete: bool) -> None:
         """Copy tensors into the model (or its parked copy); names/shapes are all checked before anything is copied.
+        Names are the HF model's, or saved-adapter keys for the adapters of a model served with LoRA.
 
-        complete: every weight must be given (a disk reload), counting tied weights once.
+        complete: every weight of the kind given must be given (a disk reload: the whole model, or the whole
+        adapter), counting tied weights once.
         """
+        named = {self._aliases.get(name, name): tensor for name, tensor in named.items()}
         problems = []
         for name, tensor in named.items():
             target = self._tensors.get(name)
@@ -112,7 +148,8 @@ class ModelRunner:
                 problems.append(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(self._shape(target))}")
         if complete:
             covered = {id(self._tensors[n]) for n in named if n in self._tensors}
-            missing = [n for n, t in self._tensors.items() if id(t) not in covered]
+            adapter = all(".lora_" in n for n in named)
+            missing = [n for n, t in self._tensors.items() if id(t) not in covered and (".lora_" in n) == adapter]
             if missing:
                 problems.append(f"missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
         if problems:

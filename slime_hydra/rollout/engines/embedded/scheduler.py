@@ -44,11 +44,12 @@ class Engine:
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_batch_size: int = 64,
                  context_length: Optional[int] = None, tokenizer_path: Optional[str] = None,
-                 weight_version: str = "0", host: str = "127.0.0.1", port: int = 0, cuda_graph: bool = True):
+                 weight_version: str = "0", host: str = "127.0.0.1", port: int = 0, cuda_graph: bool = True,
+                 lora: Optional[dict] = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         self.runner = ModelRunner(model_path, device, dtype, max_batch_size, context_length, tokenizer_path,
-                                  weight_version, cuda_graph)
+                                  weight_version, cuda_graph, lora)
         self.max_batch_size = max_batch_size
         self.host, self.port = host, port
         self.paused = False

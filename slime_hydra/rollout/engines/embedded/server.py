@@ -23,7 +23,7 @@ from slime_hydra.rollout.auth import API_KEY_ENV, OPEN_PREFIX, authorized
 from slime_hydra.rollout.engines.embedded.protocol import RequestError, parse_generate
 from slime_hydra.rollout.engines.embedded.scheduler import Engine
 from slime_hydra.weight_transport import (
-    decode_named_tensors, init_weight_update_group, open_cuda_bucket, recv_named_tensors,
+    decode_named_tensors, init_weight_update_group, open_cuda_bucket, recv_named_tensors, split_adapter_key,
 )
 
 logger = logging.getLogger("slime_hydra.engine")
@@ -159,7 +159,8 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
         def apply():
             runner.load_weights(named, complete=True)
             runner.set_version(body.get("weight_version"), bump=True)
-            runner.model_path = str(Path(path).resolve())
+            if not all(split_adapter_key(name) for name in named):  # an adapter directory leaves the base as is
+                runner.model_path = str(Path(path).resolve())
 
         await engine.control(apply, drain=True)
         logger.info("weights loaded from %s; weight_version %s", path, runner.weight_version)
