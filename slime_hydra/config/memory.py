@@ -12,6 +12,10 @@ heads / KV heads / head dim):
 
     trainer static      P x (4 fp32 master + 4 fp32 grad + 8 Adam / ZeRO peers) + P x 2 bf16 compute copy + P x 2
                         its gradients (GPU, bf16; added into the fp32 grads after the backward)
+    with train.lora     P x 2 (bf16; 4 fp32) frozen base + A_P x (4 fp32 adapter + 4 grad + 8 Adam / ZeRO peers),
+                        A_P = rank x sum of (in + out) over the adapted linears, no compute copy; activations add
+                        the adapters' fp32 inputs (4 x in bytes per token and adapted linear: PEFT upcasts x for
+                        each one); no reference copy (the reference is the base, adapter off)
     activations         T x L_stage x a,  a = 8H + 2(h + 2g)d + 2(h + g)d + 2hd + 8F  bytes per token and layer in
                         bf16 (the tensors autograd keeps: norms, q/k/v before and after RoPE, attention out, the
                         MLP's gate / up / act / product); TP divides the head and F terms; x2 in fp32; with
@@ -65,6 +69,15 @@ class Params:
 
     def total(self, layers: int) -> int:
         return self.per_layer * layers + self.embedding + self.head + self.final_norm
+
+
+def adapted_dims(cfg: SlimeConfig) -> list[tuple[int, int]]:
+    """(in, out) of each linear train.lora adapts in one decoder layer (a dense MLP's widths)."""
+    m = cfg.model
+    h, g, d, hidden, ffn = m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.hidden_size, m.ffn_hidden_size
+    dims = {"q_proj": (hidden, h * d), "k_proj": (hidden, g * d), "v_proj": (hidden, g * d), "o_proj": (h * d, hidden),
+            "gate_proj": (hidden, ffn), "up_proj": (hidden, ffn), "down_proj": (ffn, hidden)}
+    return [dims[name] for name in cfg.train.lora.target_modules if name in dims]
 
 
 def param_counts(cfg: SlimeConfig) -> Params:
@@ -147,9 +160,16 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
         params = counts.total(m.num_layers)
         adam_peers, shard = 1, d.dp
     usage = Usage(role)
-    usage.parts["fp32 masters + grads"] = params * 8 / shard
-    usage.parts["Adam state"] = params * 8 / shard / adam_peers
-    if bf16:
+    lora = t.lora.enabled and role == "trainer rank"  # PPO's critic trains fully
+    if lora:
+        adapters = t.lora.rank * sum(i + o for i, o in adapted_dims(cfg)) * layers / (t.tp if megatron else 1)
+        usage.parts["frozen base"] = params * (2 if bf16 else 4) / shard
+        usage.parts["fp32 adapters + grads"] = adapters * 8 / shard
+        usage.parts["Adam state"] = adapters * 8 / shard / adam_peers
+    else:
+        usage.parts["fp32 masters + grads"] = params * 8 / shard
+        usage.parts["Adam state"] = params * 8 / shard / adam_peers
+    if bf16 and not lora:
         usage.parts["bf16 compute copy"] = params * 2 / shard if (megatron or d.dp == 1) else (
             4 * counts.per_layer * 2)  # FSDP2: two layers unsharded at a time (prefetch)
         usage.parts["bf16 gradients"] = params * 2 / shard  # the compute copy's, added into the fp32 grads after
@@ -159,6 +179,8 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
     tp = t.tp if megatron else 1
     per_token = 8 * hidden + (2 * (h + 2 * g) * dim + 2 * (h + g) * dim + 2 * h * dim + 8 * width) / tp
     scale = 1 if bf16 else 2
+    if lora and bf16:  # PEFT's fp32 copy of each adapted linear's input (scale 2 in fp32 counts it already)
+        per_token += 4 * sum(i for i, _ in adapted_dims(cfg)) / tp
     if t.gradient_checkpointing:
         act = tokens * (2 * hidden * layers + per_token) * scale
     else:
@@ -223,16 +245,17 @@ def plan_memory(cfg: SlimeConfig, d: Derived) -> MemoryPlan:
     on_gpu = cfg.cluster.gpus_per_node > 0
     trainer = trainer_usage(cfg, d)
     engine = engine_usage(cfg, d) if cfg.debug.mode != "train_only" else Usage("engine")
-    shard_params = trainer.parts["fp32 masters + grads"] / 8
+    lora = "fp32 adapters + grads" in trainer.parts
+    trained = trainer.parts["fp32 adapters + grads" if lora else "fp32 masters + grads"] / 8
     ranks_per_node = min(d.train_gpus, d.gpus_per_node) if on_gpu else d.train_gpus
     engines_per_node = min(d.num_engines, d.gpus_per_node) if on_gpu else d.num_engines
     host = Usage("host")
     processes = ranks_per_node + engines_per_node + 2  # + the driver and the rollout manager
     host.parts["processes"] = processes * PROCESS_HOST[on_gpu] + RAY_SERVICES_HOST
-    if cfg.algo.needs_reference:
-        host.parts["reference copies"] = ranks_per_node * shard_params * 4
+    if cfg.algo.needs_reference and not lora:  # under LoRA the reference is the base with the adapter off
+        host.parts["reference copies"] = ranks_per_node * trained * 4
     if cfg.checkpoint_in_background:  # train/checkpoint_writer.py
-        host.parts["checkpoint copy"] = ranks_per_node * shard_params * 12
+        host.parts["checkpoint copy"] = ranks_per_node * trained * 12
     gpus: list[Usage] = []
     if on_gpu:
         for usage in (trainer, engine):
@@ -242,8 +265,8 @@ def plan_memory(cfg: SlimeConfig, d: Derived) -> MemoryPlan:
             shared.parts.update({"the larger of the two": max(trainer.total, engine.total) - CUDA_RESERVE,
                                  "CUDA reserve (two processes)": 2 * CUDA_RESERVE})
             gpus.append(shared)
-            host.parts["trainer offload"] = ranks_per_node * (trainer.parts["fp32 masters + grads"] / 2
-                                                              + trainer.parts["Adam state"])
+            host.parts["trainer offload"] = ranks_per_node * (trained * 4 + trainer.parts["Adam state"]
+                                                              + trainer.parts.get("frozen base", 0.0))
             host.parts["parked engine weights"] = engines_per_node * engine.parts.get("weights", 0.0)
         else:
             gpus += [trainer] + ([engine] if engine.parts else [])

@@ -140,3 +140,24 @@ LOOP = ("model=qwen2_5_0_5b", "train.num_gpus=1", "train.micro_batch_samples=32"
 ])
 def test_estimates_are_within_10_percent_of_the_h100_measurements(role, overrides, measured_gib):
     assert _usage(role, *overrides) == pytest.approx(measured_gib, rel=0.10)
+
+
+def test_lora_plans_a_7b_model_on_one_h100_that_full_fine_tuning_cannot_hold():
+    """train.lora: a frozen bf16 base (2 bytes / parameter) and fp32 adapters with their grads and Adam moments
+    (16 bytes / adapter parameter) in place of 16 + 4 bytes / parameter; no reference copy on the host."""
+    one = ("model=qwen2_5_7b", *H100, "train.num_gpus=1", "cluster.colocate=true")
+    with pytest.raises(ConfigError, match="does not fit a GPU of 80 GiB"):
+        load(*one)
+    cfg, d = load(*one, "train.lora.rank=32")
+    plan = plan_memory(cfg, d)
+    assert plan.gpu_peak <= 80 * GiB
+    trainer = trainer_usage(cfg, d)
+    params = param_counts(cfg).total(cfg.model.num_layers)
+    m = cfg.model
+    q, kv = m.num_attention_heads * m.kv_channels, m.num_kv_heads * m.kv_channels
+    per_layer = 32 * ((m.hidden_size + q) + 2 * (m.hidden_size + kv) + (q + m.hidden_size)
+                      + 2 * (m.hidden_size + m.ffn_hidden_size) + (m.ffn_hidden_size + m.hidden_size))
+    assert trainer.parts["frozen base"] == params * 2
+    assert trainer.parts["fp32 adapters + grads"] == per_layer * m.num_layers * 8
+    assert "fp32 masters + grads" not in trainer.parts and "bf16 compute copy" not in trainer.parts
+    assert "reference copies" not in plan.host.parts
