@@ -1,28 +1,33 @@
 #!/usr/bin/env bash
-# The RL loop on GPUs, for speed (not learning): a Qwen2.5-0.5B-shaped random-init checkpoint (with the tiny
-# character tokenizer, so no download) trained with GRPO on the addition task for a few steps.
+# The RL loop on GPUs, for speed (not learning): a random-init checkpoint of MODEL (default qwen2_5_0_5b; with the
+# tiny character tokenizer, so no download; bf16 for models other than the 0.5B) trained with GRPO on the addition
+# task for a few steps.
 #   bash scripts/bench_loop_gpu.sh colocated      # one GPU: trainer and engine take turns, CUDA IPC weight sync
 #   bash scripts/bench_loop_gpu.sh disaggregated  # two GPUs: trainer on one, engine on the other, NCCL broadcast
 #   bash scripts/bench_loop_gpu.sh colocated save_every_steps=2   # more overrides after the mode
+#   MODEL=qwen2_5_7b bash scripts/bench_loop_gpu.sh colocated train.lora.rank=32   # LoRA on a 7B shape
 # Prints the per-phase step times from metrics.jsonl (docs/benchmarks.md records them).
 set -euo pipefail
 mode=${1:-colocated}
-out=${OUT:-/tmp}/loop_$mode
-ckpt=/tmp/qwen2_5_0_5b_random
-python3 - "$ckpt" <<'PY'
+model=${MODEL:-qwen2_5_0_5b}
+out=${OUT:-/tmp}/loop_${mode}${RUN_TAG:+_$RUN_TAG}
+ckpt=/tmp/${model}_random
+python3 - "$ckpt" "$model" <<'PY'
 import sys
 from pathlib import Path
+import torch
 from slime_hydra.config import compose, to_config
 from slime_hydra.model.hf import build_random_checkpoint
 from slime_hydra.model.tiny import build_tiny_tokenizer
-out = Path(sys.argv[1])
+out, name = Path(sys.argv[1]), sys.argv[2]
 if not (out / "config.json").exists():
     tok = build_tiny_tokenizer()
-    model = to_config(compose(["model=qwen2_5_0_5b"])).model
-    build_random_checkpoint(model, out, tokenizer=tok, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    model = to_config(compose([f"model={name}"])).model
+    build_random_checkpoint(model, out, dtype=torch.float32 if name == "qwen2_5_0_5b" else torch.bfloat16,
+                            tokenizer=tok, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                             bos_token_id=None)
 PY
-common=(model=qwen2_5_0_5b model.path=$ckpt cluster.gpus_per_node=$([ "$mode" = colocated ] && echo 1 || echo 2)
+common=(model=$model model.path=$ckpt cluster.gpus_per_node=$([ "$mode" = colocated ] && echo 1 || echo 2)
         train.num_gpus=1 train.dtype=bf16 train.lr=1e-6 train.micro_batch_samples=32 num_steps=6
         rollout.batch_prompts=32 rollout.n_samples_per_prompt=8 rollout.max_response_tokens=128
         rollout.temperature=1.0 rollout.eval_every_steps=0 output_dir=$out run_name=run tracking.progress=false)
@@ -42,7 +47,8 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if "perf/step_time" in l]
 keys = ["perf/step_time", "perf/rollout_time", "perf/logprobs_time", "perf/train_time", "perf/weight_sync_time",
         "perf/offload_time", "perf/checkpoint_time", "perf/overhead_time", "perf/tokens_per_s", "rollout/tokens", "sync/bytes",
         "perf/trainer_gpu_gb_engines", "perf/trainer_gpu_gb_trainer", "perf/trainer_gpu_peak_gb",
+        "train/train_rollout_logprob_abs_diff",
         "rollout/engine_gpu_peak_gb"]
 for r in rows:
-    print(r["step"], " ".join(f"{k.split('/')[-1]}={r.get(k, float('nan')):.3f}" for k in keys))
+    print(r["step"], " ".join(f"{k.split('/')[-1]}={r.get(k, float('nan')):.4g}" for k in keys))
 PY
