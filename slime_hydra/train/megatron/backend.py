@@ -47,6 +47,17 @@ sync inside the micro-batch loop (loss weights from host tensors; the clip coeff
 are read once, after the optimizer step). Each layer compiles to one graph (spec.RowParallelLinear), which
 ``train.cuda_graphs`` replays as CUDA graphs (forward and backward).
 
+LoRA (train.lora.rank > 0; lora.py): PEFT's adapters on megatron's fused, TP-split linears, one A and B per
+targeted HF module (q/k/v inside linear_qkv, gate/up inside linear_fc1, o_proj, down_proj), each module's
+s * B (A x) landing in its rows of the fused output (s = alpha / rank). The base is frozen (requires_grad off; with
+bf16 compute kept in bf16 without an fp32 master; no optimizer state; the TransformerEngine spec is not used, its
+fused norm-linear hides the adapters' input); ComputeCopy, the optimizer, gradient reduction and the grad norm see
+only the adapters (and the biases train.lora.bias names). The reference policy is the base model: the adapters
+switched off (and trained biases swapped back). ``iter_full_weights``/``export_hf`` give merged weights
+W + s * B A; ``iter_adapter_weights``/``export_adapter`` the full A and B under PEFT's keys; ``load_adapter`` reads a
+PEFT directory; checkpoints hold the adapters and their optimizer state (the base reloads from the model path).
+Refused with LoRA: pp > 1, the critic, dropout with tp > 1, sequence parallelism (lora.problems names each key).
+
 Not supported: expert parallelism (ep > 1: the families converted here are dense; refused at construction, and by
 config validation for dense models, config/rules.py); ring attention or packed (THD) sequences under CP.
 """

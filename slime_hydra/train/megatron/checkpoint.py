@@ -3,8 +3,8 @@
 Per (PP stage, TP rank), the trainable parameters' shards (with train.lora: the adapters and trained biases; the
 frozen base reloads from the model path) and the optimizer's (written by the slot's rank with DP and CP rank 0: CP
 and DP peers hold identical shards), scheduler and step, and every rank's RNG state; resume needs the same world
-size, tp and pp (cp and dp may be traded). To change tp or pp, export_hf and start a new run from the export (optimizer state
-is not carried).
+size, tp and pp (cp and dp may be traded). To change tp or pp, export_hf and start a new run from the export
+(optimizer state is not carried).
 """
 
 import copy

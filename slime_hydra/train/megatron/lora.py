@@ -169,8 +169,8 @@ class MegatronLora:
                 linear.register_forward_hook(FusedLora.hook)
                 self.fused.append(fused)
                 for m, adapter in fused.adapters.items():
-                    self.entries.append((f"model.layers.{g}.{parent}.{m}", f"decoder.layers.{g}.{path}.lora.adapters.{m}",
-                                         adapter, kind))
+                    self.entries.append((f"model.layers.{g}.{parent}.{m}",
+                                         f"decoder.layers.{g}.{path}.lora.adapters.{m}", adapter, kind))
         self._initialise()
 
     @torch.no_grad()
