@@ -23,14 +23,16 @@ class ComputeCopy:
     """Mixed precision on one rank without FSDP: the model's parameters stay the fp32 masters (the optimizer,
     checkpoints, weight sync and the reference swap only see those); inside ``swapped_in`` the modules hold
     low-precision copies refreshed from the masters by one multi-tensor copy, and ``accumulate_grads`` adds each
-    backward's low-precision gradients into the masters' fp32 ``.grad`` (FSDP's reduce_dtype=fp32 accumulation)."""
+    backward's low-precision gradients into the masters' fp32 ``.grad`` (FSDP's reduce_dtype=fp32 accumulation).
+    ``params``: the masters (default: every parameter); any other parameter must already be in ``dtype`` (LoRA's
+    frozen base, kept in the compute dtype without a master)."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, params: list[torch.nn.Parameter] | None = None):
         self.dtype = dtype
-        self.masters = list(model.parameters())
+        self.masters = list(model.parameters()) if params is None else list(params)
         index = {id(p): i for i, p in enumerate(self.masters)}
         self.slots = [(module, name, index[id(p)]) for module in model.modules()  # tied weights: two slots
-                      for name, p in module._parameters.items() if p is not None]
+                      for name, p in module._parameters.items() if p is not None and id(p) in index]
         self.copies: list[torch.nn.Parameter] | None = None  # allocated on first use, freed by offload
 
     @contextmanager

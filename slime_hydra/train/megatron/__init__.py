@@ -10,6 +10,7 @@ pipeline and data parallelism on torch.distributed (nccl on GPU, gloo on CPU); t
     context_parallel.py  megatron's load-balanced sequence split over CP ranks, the K/V and output gathers
     pipeline.py  the 1F1B pipeline schedule over torch.distributed send/recv (pp > 1), the last stage's broadcast
     gradients.py  gradient reduction over TP, the tied embedding and DP x CP; the global grad norm and clipping
+    lora.py     LoRA adapters on the fused, TP-split linears (PEFT's function per HF module), merged weights
     checkpoint.py  resumable checkpoints: one file per (PP stage, TP rank), every rank's RNG
     backend.py  MegatronBackend: the backend protocol of train/fsdp.py on this model (construction, stage forward
                 and heads, logprobs, train_step, weights; save/load through checkpoint.py)

@@ -47,6 +47,17 @@ sync inside the micro-batch loop (loss weights from host tensors; the clip coeff
 are read once, after the optimizer step). Each layer compiles to one graph (spec.RowParallelLinear), which
 ``train.cuda_graphs`` replays as CUDA graphs (forward and backward).
 
+LoRA (train.lora.rank > 0; lora.py): PEFT's adapters on megatron's fused, TP-split linears, one A and B per
+targeted HF module (q/k/v inside linear_qkv, gate/up inside linear_fc1, o_proj, down_proj), each module's
+s * B (A x) landing in its rows of the fused output (s = alpha / rank). The base is frozen (requires_grad off; with
+bf16 compute kept in bf16 without an fp32 master; no optimizer state; the TransformerEngine spec is not used, its
+fused norm-linear hides the adapters' input); ComputeCopy, the optimizer, gradient reduction and the grad norm see
+only the adapters (and the biases train.lora.bias names). The reference policy is the base model: the adapters
+switched off (and trained biases swapped back). ``iter_full_weights``/``export_hf`` give merged weights
+W + s * B A; ``iter_adapter_weights``/``export_adapter`` the full A and B under PEFT's keys; ``load_adapter`` reads a
+PEFT directory; checkpoints hold the adapters and their optimizer state (the base reloads from the model path).
+Refused with LoRA: pp > 1, the critic, dropout with tp > 1, sequence parallelism (lora.problems names each key).
+
 Not supported: expert parallelism (ep > 1: the families converted here are dense; refused at construction, and by
 config validation for dense models, config/rules.py); ring attention or packed (THD) sequences under CP.
 """
@@ -68,6 +79,7 @@ from slime_hydra.train.megatron import checkpoint
 from slime_hydra.train.megatron.context_parallel import gather_sequence, local_positions, padded_length, split_sequence
 from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_hf_weights, stage_parameters, stage_table
 from slime_hydra.train.megatron.gradients import Gradients
+from slime_hydra.train.megatron.lora import MegatronLora, problems as lora_problems, trainable_bias
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
 from slime_hydra.train.megatron.pipeline import Pipeline
@@ -100,6 +112,13 @@ class MegatronBackend(TrainBackend):
         self.train_cfg, self.loss_agg, self.role = train, loss_agg, role
         self.head = "value" if role == "critic" else "lm"
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model_path = str(model_path)
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.arch = Arch.from_hf(self.hf_config)
+        if train.lora.enabled:
+            refused = lora_problems(train.lora, self.arch, train.tp, train.pp, role, train.megatron)
+            if refused:
+                raise ValueError("train=megatron with train.lora: " + "; ".join(refused))
         init_parallel(train.tp, train.pp, train.cp)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.cp_group = parallel_state.get_context_parallel_group()
@@ -112,10 +131,8 @@ class MegatronBackend(TrainBackend):
         self.pp_rank, self.pp_size = dist.get_rank(self.pp_group), train.pp
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
 
-        self.model_path = str(model_path)
-        self.hf_config = AutoConfig.from_pretrained(model_path)
-        self.arch = Arch.from_hf(self.hf_config)
-        use_te = transformer_engine_available() and self.device.type == "cuda"
+        # LoRA hooks need the linears' own input: TE's fused norm-linear hides it, so LoRA runs the local spec
+        use_te = transformer_engine_available() and self.device.type == "cuda" and not train.lora.enabled
         overrides = dict(train.megatron)
         if train.gradient_checkpointing:
             overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
@@ -124,9 +141,11 @@ class MegatronBackend(TrainBackend):
                                     use_te=use_te, overrides=overrides)
         self.model = build_model(self.arch, config, use_te, self.device, head=self.head)
         load_hf_weights(self.model, model_path, self.arch, head=self.head)
-        self.params = stage_parameters(self.model)
         table = stage_table(self.model, self.arch, self.head)
         self._tp_split = {p.megatron for p in table if p.kind != "replicated"}
+        low = compute_dtype(train, self.device)
+        self.lora = self._attach_lora(low) if train.lora.enabled else None
+        self.params = stage_parameters(self.model)
         shared = ("embedding.word_embeddings.weight" if self.first_stage else TIED_COPY.megatron)
         self.gradients = Gradients(
             self.model, self.params, self._tp_split,
@@ -136,8 +155,8 @@ class MegatronBackend(TrainBackend):
             tp_group=self.tp_group, pp_group=self.pp_group, dp_group=self.dp_group, dp_cp_group=self.dp_cp_group,
             device=self.device)
         self.vocab_start = self.tp_rank * (self.arch.vocab_size // self.tp_size)
-        low = compute_dtype(train, self.device)
-        self._compute = ComputeCopy(self.model, low) if low != torch.float32 else None
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self._compute = ComputeCopy(self.model, low, trainable) if low != torch.float32 else None
         self.pipeline = Pipeline(self._stage, self._activation_shape, self.pp_group, self.device, self._compute)
         self.compiled = train.compile if train.compile is not None else self.device.type == "cuda"
         if self.compiled:  # each layer's forward; megatron's recompute (if on) calls it eagerly around the graph
@@ -160,7 +179,25 @@ class MegatronBackend(TrainBackend):
             shard_group=self.dp_cp_group if train.distributed_optimizer else None)
         self.zero = isinstance(self.optimizer, ZeroRedundancyOptimizer)
         self.step = 0
-        self._ref_shards = host_copy(self._local_shards()) if keep_reference else None
+        self._ref_shards = host_copy(self._reference_shards()) if keep_reference else None
+
+    def _attach_lora(self, low: torch.dtype) -> MegatronLora:
+        """Adapters on the targeted linears (lora.py); every base parameter frozen (but the biases train.lora.bias
+        names) and, with bf16 compute, kept in bf16 without an fp32 master."""
+        lora = MegatronLora(self.model, self.arch, self.train_cfg.lora, self.tp_group)
+        adapters = lora.parameter_names()
+        self._tp_split |= lora.tp_split_names()
+        for name, param in stage_parameters(self.model).items():
+            if name not in adapters and not trainable_bias(name, self.train_cfg.lora):
+                param.requires_grad_(False)
+                param.data = param.data.to(low)
+        return lora
+
+    def load_adapter(self, adapter_dir: str | Path) -> None:
+        """train.lora: set the adapters from a PEFT adapter directory (MegatronLora.load)."""
+        if self.lora is None:
+            raise ValueError("load_adapter needs train.lora.rank > 0")
+        self.lora.load(adapter_dir)
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _padded_ids(self, mb: TrainBatch) -> torch.Tensor:
@@ -265,8 +302,9 @@ class MegatronBackend(TrainBackend):
         def collect(k, mb, out):
             filled.put(groups[k], *self._head(out, mb, temperature, with_entropy))
 
-        with swapped_in(self._local_shards(), self._ref_shards) if policy == "ref" else nullcontext(), \
-                self._computing():
+        reference = policy == "ref"
+        with swapped_in(self._reference_shards(), self._ref_shards) if reference else nullcontext(), \
+                self.lora.disabled() if reference and self.lora is not None else nullcontext(), self._computing():
             self.model.eval()
             self.pipeline.run([batch.select(idx) for idx in groups], collect, backward=False)
         logp, ent = filled.host()
@@ -315,8 +353,16 @@ class MegatronBackend(TrainBackend):
         """(HF name, full tensor) for every HF state-dict entry, gathered over TP and broadcast over PP one at a
         time; every rank gets every tensor. Collective: all ranks of this replica (every DP replica yields the same
         tensors)."""
-        yield from iter_hf_weights(self.model, self.arch, self.tp_group, self.pp_group if self.pp_size > 1 else None,
-                                   head=self.head)
+        weights = iter_hf_weights(self.model, self.arch, self.tp_group, self.pp_group if self.pp_size > 1 else None,
+                                  head=self.head)
+        yield from weights if self.lora is None else self.lora.merged(weights)
+
+    def iter_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """train.lora: (adapter key, full A or B) of every adapter, in HF order, gathered over TP. Collective over
+        the replica's TP group."""
+        if self.lora is None:
+            return super().iter_adapter_weights()
+        return self.lora.iter_full()
 
     def export_hf(self, out_dir: str | Path) -> None:
         """Write an HF checkpoint (config + safetensors) of the current weights; rank 0 writes. Collective. The
@@ -346,5 +392,11 @@ class MegatronBackend(TrainBackend):
 
     # ---- reference swap ---------------------------------------------------------------------------------------
     def _local_shards(self) -> dict[str, torch.Tensor]:
-        """This rank's shard of every parameter, by name."""
-        return dict(self.model.named_parameters())
+        """This rank's shard of every trainable parameter, by name (all of them without train.lora)."""
+        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def _reference_shards(self) -> dict[str, torch.Tensor]:
+        """The trainable parameters the reference policy swaps back to their initial values: every one in full
+        training; with train.lora only the trained biases (the adapters are switched off instead)."""
+        adapters = {id(p) for p in self.lora.parameters()} if self.lora is not None else set()
+        return {name: p for name, p in self.model.named_parameters() if p.requires_grad and id(p) not in adapters}

@@ -1,9 +1,10 @@
 """train=megatron's resumable checkpoints (MegatronBackend.save / load).
 
-Per (PP stage, TP rank), model and optimizer shards (written by the slot's rank with DP and CP rank 0: CP and DP
-peers hold identical shards), scheduler and step, and every rank's RNG state; resume needs the same world size, tp
-and pp (cp and dp may be traded). To change tp or pp, export_hf and start a new run from the export (optimizer state
-is not carried).
+Per (PP stage, TP rank), the trainable parameters' shards (with train.lora: the adapters and trained biases; the
+frozen base reloads from the model path) and the optimizer's (written by the slot's rank with DP and CP rank 0: CP
+and DP peers hold identical shards), scheduler and step, and every rank's RNG state; resume needs the same world
+size, tp and pp (cp and dp may be traded). To change tp or pp, export_hf and start a new run from the export
+(optimizer state is not carried).
 """
 
 import copy
@@ -70,6 +71,9 @@ def load(backend, ckpt_dir: str | Path) -> None:
                          f"this run has {dist.get_world_size()} ranks at tp={backend.tp_size} pp={backend.pp_size}")
     shards = load_rank_file(ckpt_dir / _slot_file(backend), map_location="cpu")
     live = backend._local_shards()
+    if set(shards["model"]) != set(live):  # e.g. saved with train.lora and loaded without, or another rank
+        raise ValueError(f"checkpoint {ckpt_dir} holds {len(shards['model'])} trainable tensors, this run trains "
+                         f"{len(live)} (train.lora.rank / target_modules / bias must be those of the saving run)")
     with torch.no_grad():
         for name, tensor in shards["model"].items():
             live[name].copy_(tensor)

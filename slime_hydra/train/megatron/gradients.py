@@ -25,7 +25,8 @@ BUCKET_ELEMENTS = 64 * 1024 * 1024
 
 class Gradients:
     """Reduction and clipping of one rank's parameter gradients (module docstring). ``params``: this stage's
-    parameters by megatron name; ``tp_split``: the names of those split over TP; ``tied_copy``: this last stage
+    parameters by megatron name, of which only those with requires_grad count (train.lora freezes the base);
+    ``tp_split``: the names of those split over TP; ``tied_copy``: this last stage
     holds a copy of the first stage's embedding; ``shared``: the tied embedding's copy on this stage whose gradient
     is summed over the embedding group (None: no tied embedding across stages here)."""
 
@@ -33,9 +34,10 @@ class Gradients:
                  tied_copy: bool, shared: torch.nn.Parameter | None, tp_group: dist.ProcessGroup,
                  pp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup, dp_cp_group: dist.ProcessGroup,
                  device: torch.device):
-        self.model, self.params, self.device = model, params, device
+        self.model, self.device = model, device
+        self.params = {name: p for name, p in params.items() if p.requires_grad}
         self._tp_split, self._tied_copy, self._shared = tp_split, tied_copy, shared
-        self._tp_partial = [n for n in params if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
+        self._tp_partial = [n for n in self.params if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
         self.tp_group, self.pp_group, self.dp_cp_group = tp_group, pp_group, dp_cp_group
         self.tp_size, self.pp_size = dist.get_world_size(tp_group), dist.get_world_size(pp_group)
         self.dp_size = dist.get_world_size(dp_group)
@@ -45,7 +47,7 @@ class Gradients:
         """Every gradient summed or averaged over the groups that share it (module docstring). Collective."""
         from megatron.core import parallel_state
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = list(self.params.values())
         for p in params:
             if p.grad is None:  # every rank must bring every gradient to the collectives
                 p.grad = torch.zeros_like(p)
@@ -91,5 +93,5 @@ class Gradients:
         norm = total.sqrt()
         if max_norm > 0:  # a coefficient of 1 multiplies exactly
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
-            torch._foreach_mul_([p.grad for p in self.model.parameters()], coef)
+            torch._foreach_mul_([p.grad for p in self.params.values()], coef)
         return norm
