@@ -13,13 +13,14 @@ from slime_hydra.algo.config import GROUP_ESTIMATORS
 from slime_hydra.data.config import MAX_LEVELS
 from slime_hydra.data.tasks import get_env
 from slime_hydra.reward.config import REWARD_NAMES
-from slime_hydra.model.config import DENSE_FAMILIES
+from slime_hydra.model.config import DENSE_FAMILIES, FUSED_GATE_UP, QKV_BIAS
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import memory_problems, plan_memory
 from slime_hydra.config.passthrough import check_passthrough
 from slime_hydra.config.plugins import check_plugins
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.options import ConfigError, Problem, counts_hold, domain_problems
+from slime_hydra.train.config import gate_up_problem, megatron_lora_problems
 
 
 def check_layout(cfg: SlimeConfig) -> Iterator[Problem]:
@@ -231,8 +232,15 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
 
 
 def check_lora(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
-    """train.lora options the engines can honour."""
-    lora = cfg.train.lora
+    """train.lora options the model, the backend and the engines can honour."""
+    lora, t = cfg.train.lora, cfg.train
+    if not lora.enabled:
+        return
+    if cfg.model.family in FUSED_GATE_UP and {"gate_proj", "up_proj"} & set(lora.target_modules):
+        yield gate_up_problem()
+    if t.backend == "megatron":
+        yield from megatron_lora_problems(lora, t.tp, t.pp, cfg.model.num_kv_heads, False,
+                                          cfg.model.family in QKV_BIAS, t.megatron)
     if d.lora_sync != "adapter":
         return
     if cfg.rollout.backend != "embedded":

@@ -18,6 +18,11 @@ DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
 """The families train=megatron converts (train/megatron/model.FAMILIES) and model/hf.py builds random-init test
 models of; the MoE ones (qwen3_moe, deepseek_v3) train with train=fsdp only."""
 
+FUSED_GATE_UP = ("glm4",)
+"""Families whose HF MLP holds gate and up as one ``gate_up_proj`` (train.lora cannot name gate_proj / up_proj)."""
+QKV_BIAS = ("qwen2",)
+"""Families whose q/k/v projections always carry a bias (GLM-4's follow its config's add_qkv_bias)."""
+
 CHAR_VOCAB = 101
 """Tokens of the character tokenizer (model/tiny.py)."""
 BPE_MIN_VOCAB = 261

@@ -73,6 +73,45 @@ class LoraConfig:
                           "list each module once")
 
 
+def megatron_lora_problems(lora: LoraConfig, tp: int, pp: int, kv_groups: int, fused_gate_up: bool,
+                           qkv_bias: bool, megatron: Dict[str, Any]) -> list[Problem]:
+    """What train=megatron refuses with train.lora on (train/megatron/lora.py): the backend checks them at
+    construction with its model's facts, config/rules.py before anything starts with the model config's.
+
+    kv_groups: query groups (KV heads); fused_gate_up: the family's MLP is one gate_up_proj; qkv_bias: q/k/v carry
+    a (fused) bias."""
+    out, targets = [], set(lora.target_modules)
+    qkv = targets & {"q_proj", "k_proj", "v_proj"}
+    if pp > 1:
+        out.append(Problem(("train.lora.rank", "train.pp"), f"LoRA with train.pp={pp}: adapters are not yet sent "
+                           "between pipeline stages", "set train.pp=1 (TP, CP and DP work with LoRA)"))
+    if fused_gate_up and targets & {"gate_proj", "up_proj"}:
+        out.append(gate_up_problem())
+    if kv_groups % tp and qkv:
+        out.append(Problem(("train.lora.target_modules", "train.tp"), f"LoRA on q/k/v needs whole query groups per "
+                           f"TP rank: {kv_groups} groups over train.tp={tp}",
+                           f"choose a train.tp dividing {kv_groups}, or drop q/k/v_proj from the targets"))
+    if lora.dropout > 0 and tp > 1:
+        out.append(Problem(("train.lora.dropout", "train.tp"), f"train.lora.dropout={lora.dropout} with train.tp={tp}: "
+                           "a column-parallel adapter needs the same dropout mask on every TP rank",
+                           "set train.lora.dropout=0 or train.tp=1"))
+    if lora.bias == "lora_only" and qkv_bias and qkv and len(qkv) < 3:
+        out.append(Problem(("train.lora.bias", "train.lora.target_modules"), f"train.lora.bias=lora_only with "
+                           f"{sorted(qkv)} of q/k/v: megatron holds one fused q/k/v bias",
+                           "target all three, or set train.lora.bias=none or all"))
+    if megatron.get("sequence_parallel"):
+        out.append(Problem(("train.lora.rank", "train.megatron.sequence_parallel"), "LoRA with sequence parallelism: "
+                           "the adapters take the full sequence", "drop train.megatron.sequence_parallel"))
+    return out
+
+
+def gate_up_problem() -> Problem:
+    """The family's MLP holds gate and up as one ``gate_up_proj`` (GLM-4): no gate_proj / up_proj to adapt."""
+    return Problem(("train.lora.target_modules", "model.family"), "this family stores gate and up as one "
+                   "gate_up_proj, which the names gate_proj / up_proj do not match",
+                   "drop gate_proj and up_proj from train.lora.target_modules")
+
+
 @dataclass
 class TrainConfig:
     backend: str = choice("fsdp", TRAIN_BACKENDS)

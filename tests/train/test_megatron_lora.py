@@ -13,8 +13,8 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime_hydra.train.config import LoraConfig, TrainConfig
-from slime_hydra.train.lora import adapter_key, merge, peft_config
-from slime_hydra.train.megatron.lora import problems
+from slime_hydra.train.lora import merge, peft_config
+from slime_hydra.weight_transport import adapter_key
 from slime_hydra.train.megatron.model import Arch
 from tests.train.harness import pg_loss, run_ranks, tiny_checkpoint, toy_batch
 
@@ -216,17 +216,5 @@ def test_checkpoint_resume_reproduces_the_next_step_exactly(tp1):
     assert all(torch.equal(adapters[k], tp1["adapters"][k]) for k in adapters)
 
 
-def test_what_megatron_lora_cannot_do_is_refused_naming_the_key(tp2, path):
-    assert "train.pp=1" in tp2[0]["pp2"]
-    glm4 = Arch.from_hf(AutoConfig.from_pretrained(tiny_checkpoint("glm4")))
-    qwen2 = Arch.from_hf(AutoConfig.from_pretrained(path))
-    assert any("train.lora.target_modules" in p for p in problems(LORA, glm4, 1, 1, "actor", {}))
-    assert problems(LoraConfig(rank=4, target_modules=["q_proj", "o_proj"]), glm4, 1, 1, "actor", {}) == []
-    dropout = LoraConfig(rank=4, dropout=0.1)
-    assert any("train.lora.dropout" in p for p in problems(dropout, qwen2, 2, 1, "actor", {}))
-    assert problems(dropout, qwen2, 1, 1, "actor", {}) == []
-    assert any("train.lora.rank=0" in p for p in problems(LORA, qwen2, 1, 1, "critic", {}))
-    assert any("train.tp" in p for p in problems(LORA, qwen2, 4, 1, "actor", {}))
-    lora_only = LoraConfig(rank=4, bias="lora_only", target_modules=["q_proj", "v_proj"])
-    assert any("train.lora.bias" in p for p in problems(lora_only, qwen2, 1, 1, "actor", {}))
-    assert any("sequence_parallel" in p for p in problems(LORA, qwen2, 2, 1, "actor", {"sequence_parallel": True}))
+def test_pipeline_parallel_lora_is_refused_at_construction_naming_the_key(tp2):
+    assert "train.pp=1" in tp2[0]["pp2"]  # config validation refuses it first (tests/config/test_lora_config.py)

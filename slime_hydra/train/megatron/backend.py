@@ -56,7 +56,8 @@ only the adapters (and the biases train.lora.bias names). The reference policy i
 switched off (and trained biases swapped back). ``iter_full_weights``/``export_hf`` give merged weights
 W + s * B A; ``iter_adapter_weights``/``export_adapter`` the full A and B under PEFT's keys; ``load_adapter`` reads a
 PEFT directory; checkpoints hold the adapters and their optimizer state (the base reloads from the model path).
-Refused with LoRA: pp > 1, the critic, dropout with tp > 1, sequence parallelism (lora.problems names each key).
+Refused with LoRA: pp > 1, dropout with tp > 1, sequence parallelism and the rest of
+train/config.megatron_lora_problems (config validation refuses them first). PPO's critic trains fully.
 
 Not supported: expert parallelism (ep > 1: the families converted here are dense; refused at construction, and by
 config validation for dense models, config/rules.py); ring attention or packed (THD) sequences under CP.
@@ -73,13 +74,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, predicting_positions, response_logprobs, response_values)
-from slime_hydra.train.config import TrainConfig
+from slime_hydra.train.config import TrainConfig, megatron_lora_problems
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.megatron import checkpoint
 from slime_hydra.train.megatron.context_parallel import gather_sequence, local_positions, padded_length, split_sequence
 from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_hf_weights, stage_parameters, stage_table
 from slime_hydra.train.megatron.gradients import Gradients
-from slime_hydra.train.megatron.lora import MegatronLora, problems as lora_problems, trainable_bias
+from slime_hydra.train.megatron.lora import MegatronLora, trainable_bias
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
 from slime_hydra.train.megatron.pipeline import Pipeline
@@ -115,10 +116,12 @@ class MegatronBackend(TrainBackend):
         self.model_path = str(model_path)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.arch = Arch.from_hf(self.hf_config)
-        if train.lora.enabled:
-            refused = lora_problems(train.lora, self.arch, train.tp, train.pp, role, train.megatron)
+        lora = train.lora.enabled and role == "actor"  # PPO's critic trains fully
+        if lora:
+            refused = megatron_lora_problems(train.lora, train.tp, train.pp, self.arch.num_kv_heads,
+                                             self.arch.fused_gate_up, self.arch.qkv_bias, train.megatron)
             if refused:
-                raise ValueError("train=megatron with train.lora: " + "; ".join(refused))
+                raise ValueError("train=megatron with train.lora: " + "; ".join(map(str, refused)))
         init_parallel(train.tp, train.pp, train.cp)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.cp_group = parallel_state.get_context_parallel_group()
@@ -132,7 +135,7 @@ class MegatronBackend(TrainBackend):
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
 
         # LoRA hooks need the linears' own input: TE's fused norm-linear hides it, so LoRA runs the local spec
-        use_te = transformer_engine_available() and self.device.type == "cuda" and not train.lora.enabled
+        use_te = transformer_engine_available() and self.device.type == "cuda" and not lora
         overrides = dict(train.megatron)
         if train.gradient_checkpointing:
             overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
@@ -144,7 +147,7 @@ class MegatronBackend(TrainBackend):
         table = stage_table(self.model, self.arch, self.head)
         self._tp_split = {p.megatron for p in table if p.kind != "replicated"}
         low = compute_dtype(train, self.device)
-        self.lora = self._attach_lora(low) if train.lora.enabled else None
+        self.lora = self._attach_lora(low) if lora else None
         self.params = stage_parameters(self.model)
         shared = ("embedding.word_embeddings.weight" if self.first_stage else TIED_COPY.megatron)
         self.gradients = Gradients(

@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from slime_hydra.train.config import LoraConfig
-from slime_hydra.train.lora import adapter_key, merge
+from slime_hydra.train.lora import merge
+from slime_hydra.weight_transport import adapter_key
 from slime_hydra.train.megatron.model import Arch
 
 LINEARS = (
@@ -53,32 +54,6 @@ LINEARS = (
 )
 """(megatron linear in a layer, HF parent module, the HF modules it fuses, TP kind), in HF module order."""
 MODULE_ORDER = tuple(m for _, _, modules, _ in LINEARS for m in modules)
-
-
-def problems(lora: LoraConfig, arch: Arch, tp: int, pp: int, role: str, overrides: dict) -> list[str]:
-    """What train=megatron refuses with train.lora on, each naming the key that fixes it."""
-    out, targets = [], set(lora.target_modules)
-    if pp > 1:
-        out.append(f"train.lora with train.pp={pp}: adapters are not yet sent between pipeline stages; set "
-                   "train.pp=1 (TP, CP and DP work)")
-    if role != "actor":
-        out.append("train.lora on the critic: the critic trains in full; set train.lora.rank=0 for it")
-    if arch.fused_gate_up and targets & {"gate_proj", "up_proj"}:
-        out.append(f"{arch.family} stores gate and up as one gate_up_proj, which PEFT's gate_proj/up_proj names do "
-                   "not match; drop them from train.lora.target_modules")
-    if arch.num_kv_heads % tp and targets & {"q_proj", "k_proj", "v_proj"}:
-        out.append(f"LoRA on q/k/v needs whole query groups per TP rank: {arch.num_kv_heads} groups over "
-                   f"train.tp={tp}; choose a train.tp dividing {arch.num_kv_heads}")
-    if lora.dropout > 0 and tp > 1:
-        out.append(f"train.lora.dropout={lora.dropout} with train.tp={tp}: a column-parallel adapter needs the same "
-                   "dropout mask on every TP rank; set train.lora.dropout=0 or train.tp=1")
-    qkv = targets & {"q_proj", "k_proj", "v_proj"}
-    if lora.bias == "lora_only" and arch.qkv_bias and qkv and len(qkv) < 3:
-        out.append(f"train.lora.bias=lora_only with {sorted(qkv)} of q/k/v: megatron holds one fused q/k/v bias; "
-                   "target all three, or set train.lora.bias=none or all")
-    if overrides.get("sequence_parallel"):
-        out.append("train.lora with train.megatron.sequence_parallel: the adapters take the full sequence; drop it")
-    return out
 
 
 class Adapter(torch.nn.Module):
