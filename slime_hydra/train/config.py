@@ -45,8 +45,9 @@ class LoraConfig:
     bias: str = choice("none", LORA_BIAS)
     """none | all (every bias trains) | lora_only (biases of adapted layers train)."""
     sync: str = choice("auto", ("auto",) + LORA_SYNC)
-    """auto (adapter when every engine applies adapters, else merged) | merged (full weights, any engine) | adapter
-    (A and B only: the embedded engine computes W x + scale * B A x at run time)."""
+    """auto (adapter to embedded engines on GPUs of their own when only the adapters train, else merged) | merged
+    (W + scale * B A, any engine) | adapter (A and B only: the embedded engine computes W x + scale * B A x at run
+    time)."""
 
     @property
     def enabled(self) -> bool:

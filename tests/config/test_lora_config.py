@@ -33,7 +33,9 @@ def test_what_lora_cannot_do_is_refused_naming_the_keys(overrides, keys, words):
 
 
 def test_what_lora_can_do_validates():
-    assert load(*LORA)[1].lora_sync == "adapter"  # embedded engines apply adapters
+    assert load(*LORA)[1].lora_sync == "adapter"  # separate embedded engines apply adapters
+    assert load(*LORA, "cluster.colocate=true")[1].lora_sync == "merged"  # a device copy; the engine runs faster
+    assert load(*LORA, "cluster.colocate=true", "train.lora.sync=adapter")[1].lora_sync == "adapter"
     assert load(*LORA, "train.lora.bias=all")[1].lora_sync == "merged"  # trained biases travel merged
     assert load(*MEGATRON, "train.num_gpus=2", "train.tp=2")[1].lora_sync == "adapter"
     assert load(*LORA, "model=glm4_9b", "cluster=slurm_8xh100", "model.path=/ckpt/glm4",
