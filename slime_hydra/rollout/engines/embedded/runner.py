@@ -127,10 +127,6 @@ class ModelRunner:
                 aliases[name.replace(".base_layer.", ".")] = name
         return aliases
 
-    @property
-    def has_adapters(self) -> bool:
-        return bool(self._aliases)
-
     def load_weights(self, named: dict[str, torch.Tensor], complete: bool) -> None:
         """Copy tensors into the model (or its parked copy); names/shapes are all checked before anything is copied.
         Names are the HF model's, or saved-adapter keys for the adapters of a model served with LoRA.
