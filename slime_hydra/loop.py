@@ -184,7 +184,7 @@ class Session:
 
         from slime_hydra.rollout.engines.actor import EngineActor, engine_gpu_ids
         from slime_hydra.rollout.manager import RolloutManager
-        from slime_hydra.train.lora import engine_adapter_config
+        from slime_hydra.train.lora import adapter_config
 
         cfg, d = self.cfg, self.d
         first = 0 if cfg.cluster.colocate else d.train_gpus
@@ -195,7 +195,7 @@ class Session:
             sglang = launch_for(cfg, d.engine_dtype, str(self.model_path))
         tp = cfg.rollout.gpus_per_engine
         gpu_ids = engine_gpu_ids(self.pg, first, d.num_engines, tp) if self.on_gpu else [None] * d.num_engines
-        lora = engine_adapter_config(cfg.train.lora) if d.lora_sync == "adapter" else None
+        lora = adapter_config(cfg.train.lora) if d.lora_sync == "adapter" else None
         engines = []
         for i in range(d.num_engines):
             gpus = (0.5 if cfg.cluster.colocate else 1.0) if self.on_gpu else 0.0

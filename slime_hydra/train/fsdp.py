@@ -108,6 +108,8 @@ class FSDPBackend(TrainBackend):
         elif low != torch.float32 and not self.lora:
             self._compute = ComputeCopy(model, low)
         self.model, self.hf = model, hf
+        self._trainable = frozenset(n for n, p in model.named_parameters() if p.requires_grad)
+        """Names of the parameters that train (all of them without LoRA)."""
         peak = train.critic_lr if role == "critic" else train.lr
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), train, total_steps, peak)
         self.step = 0
@@ -204,9 +206,8 @@ class FSDPBackend(TrainBackend):
 
     def _gathered(self, only_trainable: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(state-dict name, full tensor), gathered one at a time. Collective."""
-        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
         for name, tensor in self.model.state_dict().items():
-            if only_trainable and name not in trainable:
+            if only_trainable and name not in self._trainable:
                 continue
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             yield name, full.detach()
@@ -283,8 +284,7 @@ class FSDPBackend(TrainBackend):
         tied LM head)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options())
         if self.lora:
-            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
-            model_sd = {name: t for name, t in model_sd.items() if name in trainable}
+            model_sd = {name: t for name, t in model_sd.items() if name in self._trainable}
         return model_sd, optim_sd
 
     def _state_options(self) -> StateDictOptions:

@@ -85,21 +85,19 @@ def peft_adapter_weights(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[
                 yield adapter_key(name.removeprefix(ADAPTER_PREFIX)[:-len(part)], which), tensor
 
 
-def write_adapter(out_dir: str | Path, lora: LoraConfig, named: Iterator[tuple[str, torch.Tensor]],
-                  base_model: str | None = None) -> int:
-    """A PEFT adapter directory: ``adapter_config.json`` and ``adapter_model.safetensors`` holding the ``named``
-    adapter tensors (``adapter_key`` names), as ``PeftModel.save_pretrained`` writes one. Returns the bytes of the
-    tensors."""
+def write_adapter(out_dir: str | Path, lora: LoraConfig, named: Iterator[tuple[str, torch.Tensor]]) -> int:
+    """A PEFT adapter directory: ``adapter_config.json`` (``adapter_config``) and ``adapter_model.safetensors``
+    holding the ``named`` adapter tensors (``adapter_key`` names), as ``PeftModel.save_pretrained`` writes one.
+    Returns the bytes of the tensors."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {key: t.detach().to("cpu").contiguous() for key, t in named}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = peft_config(lora)
-    config.base_model_name_or_path = base_model
-    (out / "adapter_config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True, default=list))
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config(lora), indent=2, sort_keys=True))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def engine_adapter_config(lora: LoraConfig) -> dict:
-    """What an engine needs to apply adapters at run time: PEFT's adapter config as JSON-able dict."""
+def adapter_config(lora: LoraConfig) -> dict:
+    """PEFT's adapter config as a JSON-able dict: ``adapter_config.json``'s content, and what an engine needs to
+    apply adapters at run time (``--lora-config``)."""
     return json.loads(json.dumps(peft_config(lora).to_dict(), default=list))
