@@ -192,7 +192,7 @@ class Session:
         if cfg.rollout.backend == "sglang":
             from slime_hydra.rollout.engines.sglang import launch_for
 
-            sglang = launch_for(cfg, d.engine_dtype, str(self.model_path))
+            sglang = launch_for(cfg, d.engine_dtype, str(self.model_path), d.lora_sync == "adapter")
         tp = cfg.rollout.gpus_per_engine
         gpu_ids = engine_gpu_ids(self.pg, first, d.num_engines, tp) if self.on_gpu else [None] * d.num_engines
         lora = adapter_config(cfg.train.lora) if d.lora_sync == "adapter" else None

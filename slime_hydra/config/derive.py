@@ -56,11 +56,14 @@ class Derived:
     """What a LoRA policy sends: merged | adapter (train/config.LORA_SYNC); None without LoRA."""
 
 
-def resolve_weight_sync(weight_sync: str, colocate: bool, engine: str) -> str:
+def resolve_weight_sync(weight_sync: str, colocate: bool, engine: str, lora_sync: str | None = None) -> str:
     """train.weight_sync with ``auto`` resolved: colocated embedded engines take CUDA IPC handles (``tensor``),
     colocated SGLang engines reload from disk (the handles are in the embedded engine's format, not SGLang's pickled
-    one), separate GPUs get an NCCL broadcast (``distributed``)."""
+    one), separate GPUs get an NCCL broadcast (``distributed``); SGLang engines given the LoRA adapter alone read it
+    from a directory (``disk``: /load_lora_adapter is their only way to take one that reaches across machines)."""
     if weight_sync == "auto":
+        if engine == "sglang" and lora_sync == "adapter":
+            return "disk"
         return ("tensor" if engine == "embedded" else "disk") if colocate else "distributed"
     return weight_sync
 
@@ -104,6 +107,7 @@ def derive(cfg: SlimeConfig) -> Derived:
         rollout_gpus = train_gpus if cfg.cluster.colocate else 0
     total = max(train_gpus, rollout_gpus) if cfg.cluster.colocate else train_gpus + rollout_gpus
     per_node = cfg.cluster.gpus_per_node or total
+    lora_sync = resolve_lora_sync(cfg.train.lora, cfg.rollout.backend, cfg.cluster.colocate)
     return Derived(
         samples_per_rollout=samples,
         global_batch_samples=global_batch,
@@ -118,6 +122,6 @@ def derive(cfg: SlimeConfig) -> Derived:
         nodes=1 if cfg.cluster.gpus_per_node == 0 else math.ceil(total / per_node),
         context_tokens=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens,
         engine_dtype="bfloat16" if cfg.cluster.gpus_per_node > 0 and cfg.train.dtype == "bf16" else "float32",
-        weight_sync=resolve_weight_sync(cfg.train.weight_sync, cfg.cluster.colocate, cfg.rollout.backend),
-        lora_sync=resolve_lora_sync(cfg.train.lora, cfg.rollout.backend, cfg.cluster.colocate),
+        weight_sync=resolve_weight_sync(cfg.train.weight_sync, cfg.cluster.colocate, cfg.rollout.backend, lora_sync),
+        lora_sync=lora_sync,
     )

@@ -243,11 +243,11 @@ def check_lora(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                                           cfg.model.family in QKV_BIAS, t.megatron)
     if d.lora_sync != "adapter":
         return
-    if cfg.rollout.backend != "embedded":
-        yield Problem(("train.lora.sync", "rollout.backend"),
-                      f"train.lora.sync=adapter sends only A and B, and rollout.backend={cfg.rollout.backend} engines "
-                      "are not given adapters by this build (SGLang's /load_lora_adapter is not wired yet)",
-                      "set train.lora.sync=merged (or auto)")
+    if cfg.rollout.backend == "sglang" and d.weight_sync != "disk":
+        yield Problem(("train.lora.sync", "train.weight_sync", "rollout.backend"),
+                      f"train.lora.sync=adapter gives SGLang engines the adapter as a directory they load "
+                      f"(/load_lora_adapter), and train.weight_sync={cfg.train.weight_sync} sends tensors",
+                      "set train.weight_sync=disk (or auto), or train.lora.sync=merged")
     if lora.bias != "none":
         yield Problem(("train.lora.sync", "train.lora.bias"),
                       f"train.lora.bias={lora.bias} trains biases, which the adapter alone does not carry to the "

@@ -46,8 +46,9 @@ def _server_message(body: Any) -> str:
         error = body.get("error")
         if isinstance(error, dict) and "message" in error:
             return str(error["message"])
-        if "message" in body:
-            return str(body["message"])
+        for key in ("message", "error_message"):  # weight updates answer the first, LoRA updates the second
+            if body.get(key):
+                return str(body[key])
     return str(body)[:2000]
 
 
@@ -57,6 +58,8 @@ class SGLangClient:
     timeout_s: default total time for a call (a long generation counts); each call may override it.
     connect_timeout_s: time to open a connection. max_connections: concurrent connections to this server.
     api_key: the run's key, sent with every call (None: the server requires none).
+    lora_path: the LoRA adapter every /generate runs with (a name /load_lora_adapter loaded; None: the model as
+    served); the rollout manager sets it at each adapter sync (rollout/weight_relay.py).
     """
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
@@ -66,6 +69,7 @@ class SGLangClient:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
+        self.lora_path: Optional[str] = None
         self._session: Optional[aiohttp.ClientSession] = None
 
     async def __aenter__(self) -> "SGLangClient":
@@ -147,7 +151,7 @@ class SGLangClient:
                                       else [dict(p) for p in sampling_params])
         payload["return_logprob"] = bool(return_logprob)
         optional = {"rid": rid, "top_logprobs_num": top_logprobs_num, "logprob_start_len": logprob_start_len,
-                    "return_text_in_logprobs": return_text_in_logprobs}
+                    "return_text_in_logprobs": return_text_in_logprobs, "lora_path": self.lora_path}
         payload.update({k: v for k, v in optional.items() if v is not None})
         return await self.request("POST", "/generate", payload, timeout_s)
 
@@ -256,6 +260,20 @@ class SGLangClient:
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Any:
         return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weight_version(self, version: str, abort_all_requests: bool = False) -> Any:
+        """POST /update_weight_version: relabel the served weights (a named adapter's sync sets no version itself)."""
+        return await self.request("POST", "/update_weight_version",
+                                  {"new_version": str(version), "abort_all_requests": abort_all_requests})
+
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: Optional[float] = None) -> Any:
+        """POST /load_lora_adapter: read the PEFT adapter directory ``path`` as adapter ``name``."""
+        return await self.request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
+                                  timeout_s)
+
+    async def unload_lora_adapter(self, name: str, timeout_s: Optional[float] = None) -> Any:
+        """POST /unload_lora_adapter: returns once the requests using the adapter have ended and it is dropped."""
+        return await self.request("POST", "/unload_lora_adapter", {"lora_name": name}, timeout_s)
 
     async def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> Any:
         return await self.request("POST", "/release_memory_occupation", {"tags": list(tags)} if tags else {})

@@ -126,7 +126,7 @@ class RolloutManager:
         self.router = Router(policy=cfg.rollout.router_policy, log_path=self.run_dir / "logs" / "router.log",
                              api_key=self.api_key)
         self.pool = EnginePool(engines, self.router, cfg.rollout.health_check_interval_s, self.api_key)
-        self.weights = WeightRelay(self.pool, self.buffer.set_weight_version)
+        self.weights = WeightRelay(self.pool, self.buffer.set_weight_version, self._use_adapter)
         self.max_context = cfg.model.max_position_embeddings
         self.generate_retries = 0
         """/generate calls retried since start."""
@@ -327,6 +327,12 @@ class RolloutManager:
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         await self.weights.from_disk(path, version)
+
+    async def load_adapter_from_disk(self, path: str, version: int) -> None:
+        await self.weights.from_adapter_dir(path, version)
+
+    def _use_adapter(self, name: Optional[str]) -> None:
+        self.client.lora_path = name
 
     async def init_weight_sync(self, master_address: str, master_port: int, backend: str) -> None:
         await self.weights.join_group(master_address, master_port, backend)

@@ -5,7 +5,15 @@ The trainer (train/weight_sync.py) drives a sync through the rollout manager, wh
 
     begin()                                   hold generation in place (a rollout may be running in async mode)
     from_disk | from_distributed | from_tensor | from_cuda_ipc     one bucket each (the last carries the version)
+    from_adapter_dir                          a LoRA adapter alone, as a named adapter (below)
     finish(version)                           flush caches, resume, make ``version`` current in the buffer
+
+A LoRA adapter synced by disk follows SGLang's LoRA protocol, which the embedded engine speaks too: every engine
+loads the PEFT directory as adapter ``policy_v<version>`` (``/load_lora_adapter``) and relabels its weights
+(``/update_weight_version``); from ``finish`` on, every /generate names it (the rollout manager's client sends
+``lora_path``). The one before is unloaded at the start of the next sync, before generation is held (an unload
+waits for the requests that use it: in async mode a request that began before a sync finishes on the adapter it
+began with), so an engine holds at most two adapters.
 
 A sync holds the pool's ``weights_lock`` from ``begin`` to ``finish`` (no replay into a restarted engine
 meanwhile) and releases it and the pause on every path (``finish``, or ``abort`` when the trainer's side failed).
@@ -13,6 +21,7 @@ meanwhile) and releases it and the pause on every path (``finish``, or ``abort``
 What is kept of the newest completed sync, so a restarted engine can be given it again (``replay``):
 
 - ``disk``: the trainer's export directory and version (``/update_weights_from_disk`` again);
+- ``adapter``: the adapter directory and version (``/load_lora_adapter`` again, under the same name);
 - ``tensor`` on CPU: the buckets pass through this process, so it keeps the newest tensor of every name (one copy
   of the model in host memory) and sends them again;
 - no sync yet: nothing to do (the initial checkpoint is version 0);
@@ -25,6 +34,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from slime_hydra.rollout.client import EngineError
 from slime_hydra.rollout.engine_pool import EnginePool
 from slime_hydra.weight_transport import buckets
 
@@ -39,17 +49,26 @@ class WeightSource:
     """What the newest completed weight sync was, so that a restarted engine can be given it again."""
 
     kind: str
-    """initial (no sync yet) | disk | tensor | broadcast (distributed or CUDA IPC: not replayable here)."""
+    """initial (no sync yet) | disk | adapter | tensor | broadcast (distributed or CUDA IPC: not replayable here)."""
     version: int = 0
     """The weight version the sync set."""
     path: Optional[str] = None
-    """disk: the exported HF checkpoint directory."""
+    """disk: the exported HF checkpoint directory; adapter: the PEFT adapter directory."""
+
+
+def adapter_name(version: int) -> str:
+    """The name engines load the policy's LoRA adapter of ``version`` under (SGLang's ``lora_name``)."""
+    return f"policy_v{version}"
 
 
 class WeightRelay:
-    def __init__(self, pool: EnginePool, on_version: Callable[[int], int]):
-        """on_version(version) -> groups dropped: the buffer's reaction to a new policy version (staleness)."""
-        self.pool, self.on_version = pool, on_version
+    def __init__(self, pool: EnginePool, on_version: Callable[[int], int],
+                 use_adapter: Callable[[Optional[str]], None] = lambda name: None):
+        """on_version(version) -> groups dropped: the buffer's reaction to a new policy version (staleness);
+        use_adapter(name): every /generate from now on runs with that named adapter (the manager's client)."""
+        self.pool, self.on_version, self.use_adapter = pool, on_version, use_adapter
+        self._stale_adapter: Optional[str] = None
+        """The named adapter the newest one replaced (unloaded at the next sync)."""
         self.newest = WeightSource("initial")
         self._incoming: Optional[WeightSource] = None
         self._tensors: dict = {}
@@ -64,12 +83,19 @@ class WeightRelay:
         await self.pool.weights_lock.acquire()
         self._holds_lock = True
         await self.pool.check()  # a dead engine is taken out (and restarted); the sync goes to the others
+        await self._unload_stale_adapter()
         await self.pool.on_engines_or_take_out("pause_generation", mode="in_place")
         self._paused = True
 
     async def from_disk(self, path: str, version: int) -> None:
         await self.pool.on_weight_receivers("update_weights_from_disk", path, weight_version=str(version))
         self._incoming = WeightSource("disk", version, str(path))
+
+    async def from_adapter_dir(self, path: str, version: int) -> None:
+        """Every engine loads the PEFT adapter directory as ``adapter_name(version)`` and relabels its weights."""
+        await self.pool.on_weight_receivers("load_lora_adapter", adapter_name(version), path)
+        await self.pool.on_weight_receivers("update_weight_version", str(version))
+        self._incoming = WeightSource("adapter", version, str(path))
 
     def group_size(self) -> int:
         """1 (the trainer) + the engines the next broadcast group will hold (the sync's receivers; the set cannot
@@ -116,8 +142,13 @@ class WeightRelay:
                 await self.pool.on_engines_or_take_out("continue_generation")
                 self._paused = False
             if self._incoming is not None:
+                previous = self.newest
                 self.newest = WeightSource(self._incoming.kind, version, self._incoming.path)
                 self._incoming = None
+                if self.newest.kind == "adapter":
+                    self.use_adapter(adapter_name(version))
+                if previous.kind == "adapter":
+                    self._stale_adapter = adapter_name(previous.version)
                 if self.newest.kind != "tensor":
                     self._tensors = {}
                 await self.pool.register_awaiting()
@@ -136,6 +167,21 @@ class WeightRelay:
         finally:
             self._release()
 
+    async def _unload_stale_adapter(self) -> None:
+        """Unload the adapter the newest one replaced from every engine in service (each answers once the requests
+        using it have ended); an engine restarted since then never had it."""
+        name, self._stale_adapter = self._stale_adapter, None
+        if name is None:
+            return
+
+        async def unload(i: int) -> None:
+            try:
+                await self.pool.clients[i].unload_lora_adapter(name)
+            except EngineError as error:  # not loaded there (restarted), or gone (the health checks see to it)
+                print(f"rollout: engine {i} did not unload LoRA adapter {name}: {error}", flush=True)
+
+        await asyncio.gather(*[unload(i) for i in range(len(self.pool.clients)) if i not in self.pool.down])
+
     def _release(self) -> None:
         if self._holds_lock:
             self._holds_lock = False
@@ -148,6 +194,9 @@ class WeightRelay:
         version = str(source.version)
         if source.kind == "disk":
             await client.update_weights_from_disk(source.path, weight_version=version)
+        elif source.kind == "adapter":
+            await client.load_lora_adapter(adapter_name(source.version), source.path)
+            await client.update_weight_version(version)
         elif source.kind == "tensor":
             chunks = list(buckets(iter(self._tensors.items()), REPLAY_BUCKET_BYTES))
             for k, chunk in enumerate(chunks):

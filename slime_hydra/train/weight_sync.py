@@ -16,14 +16,18 @@ Run on every training rank at once (gathering full tensors is collective); rank 
   ``/update_weights_from_disk``.
 
 With train.lora and ``Derived.lora_sync`` = adapter only the A and B matrices travel (``iter_adapter_weights``,
-under their saved-adapter keys, in fp32 as the trainer computes them; by disk, a PEFT adapter directory at
-``<run_dir>/weights/adapter``); the engines add them to the base they keep. Merged LoRA weights travel as any.
+under their saved-adapter keys, in fp32 as the trainer computes them); the engines add them to the base they keep.
+By broadcast or tensor they overwrite the engine's own adapter in place; by disk the trainer writes a PEFT adapter
+directory, ``<run_dir>/weights/adapter_v<version>``, that every engine loads as a named adapter (SGLang's
+``/load_lora_adapter``: rollout/weight_relay.py), and once the sync is done the older directories are removed (the
+engines hold what they loaded). Merged LoRA weights travel as any.
 
 Every sync: generation held in place (``begin_weight_update``), the buckets, then ``finish_weight_update`` (flush
 caches, resume, advance the buffer's version). The last bucket carries the version, so an engine reports the new
 version only once it has every tensor. Tensors are sent in the engines' compute dtype (``Derived.engine_dtype``).
 """
 
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -36,6 +40,10 @@ from slime_hydra.weight_transport import (
     buckets, destroy_weight_update_group, dtype_from_name, dtype_name, init_weight_update_group, send_named_tensors,
     share_cuda_bucket,
 )
+
+ADAPTER_DIR = "adapter_v"
+"""Prefix of the PEFT adapter directory of each adapter sync by disk (``<run_dir>/weights/adapter_v<version>``)."""
+
 
 class WeightPusher:
     """Lives on one training rank; ``push`` is called on all ranks together, once per sync."""
@@ -68,10 +76,19 @@ class WeightPusher:
     def _send_all(self, version: int) -> int:
         """Every tensor to the engines by this method; returns the bytes sent (rank 0's count)."""
         sent = 0
-        if self.method == "disk":
-            out = self.run_dir / "weights" / ("adapter" if self.adapter else "latest")
+        if self.method == "disk" and self.adapter:
+            out = self.run_dir / "weights" / f"{ADAPTER_DIR}{version}"
+            self.backend.export_adapter(out)
+            if self.rank == 0:
+                ray.get(self.manager.load_adapter_from_disk.remote(str(out), version))
+                sent = (out / "adapter_model.safetensors").stat().st_size
+                for old in out.parent.glob(f"{ADAPTER_DIR}*"):
+                    if old != out:
+                        shutil.rmtree(old)
+        elif self.method == "disk":
+            out = self.run_dir / "weights" / "latest"
             out.mkdir(parents=True, exist_ok=True)
-            self.backend.export_adapter(out) if self.adapter else self.backend.export_hf(out)
+            self.backend.export_hf(out)
             if self.rank == 0:
                 ray.get(self.manager.update_weights_from_disk.remote(str(out), version))
                 sent = sum(f.stat().st_size for f in out.glob("*.safetensors"))

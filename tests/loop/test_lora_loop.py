@@ -1,6 +1,8 @@
 """train.lora end to end through launch.py, for both sync kinds: the KL to the reference (the base model, adapter
 off) is 0 at step 0, the engine's logprobs match the trainer's after every sync, an adapter sync moves only A and B
-(in fp32) and a merged one the whole model, and the checkpoint holds the adapter alone."""
+(in fp32) and a merged one the whole model, and the checkpoint holds the adapter alone. The adapter goes by broadcast
+(in place) and by disk, where the engines take it through SGLang's LoRA protocol (/load_lora_adapter, lora_path on
+every /generate, /unload_lora_adapter of the one before): what SGLang servers are sent."""
 
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
@@ -33,10 +35,11 @@ def _tiny_sizes() -> dict[str, int]:
     return {"full": full, "adapter": 8 * per_layer * c.num_hidden_layers * 4, "layers": c.num_hidden_layers}
 
 
-@pytest.mark.parametrize("sync", ["adapter", "merged"])
-def test_lora_run_keeps_engine_and_trainer_together(tmp_path, sync):
+@pytest.mark.parametrize("sync, transport", [("adapter", "auto"), ("adapter", "disk"), ("merged", "auto")])
+def test_lora_run_keeps_engine_and_trainer_together(tmp_path, sync, transport):
     run = tmp_path / "r"
-    out = launch(f"output_dir={tmp_path}", "run_name=r", "num_steps=3", f"train.lora.sync={sync}", *LORA, *SMALL)
+    out = launch(f"output_dir={tmp_path}", "run_name=r", "num_steps=3", f"train.lora.sync={sync}",
+                 f"train.weight_sync={transport}", *LORA, *SMALL)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = train_rows(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -45,7 +48,17 @@ def test_lora_run_keeps_engine_and_trainer_together(tmp_path, sync):
     for r in rows:  # the engine sampled from the policy the trainer scores (the dense gate)
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-5, r
     sizes = _tiny_sizes()
-    assert all(r["sync/bytes"] == sizes["adapter" if sync == "adapter" else "full"] for r in rows)
+    expected = sizes["adapter" if sync == "adapter" else "full"]
+    if transport == "disk":  # the file's bytes: the tensors and safetensors' JSON header (a few KB)
+        assert all(expected < r["sync/bytes"] < expected + 16384 for r in rows), [r["sync/bytes"] for r in rows]
+    else:
+        assert all(r["sync/bytes"] == expected for r in rows)
     saved = FileSystemReader(str(run / "checkpoints" / "step_000003" / "actor" / "dcp")).read_metadata()
     model_keys = [k for k in saved.state_dict_metadata if k.startswith("model.")]
     assert len(model_keys) == 2 * 3 * sizes["layers"] and all(".lora_" in k for k in model_keys)
+    if transport == "disk":  # named adapters: each sync loaded the next and unloaded the one two before
+        log = [line.split("LoRA adapter ")[1] for line in (run / "logs" / "engine_0.log").read_text().splitlines()
+               if "LoRA adapter " in line]
+        assert [line.split()[0] for line in log if " loaded from " in line] == ["policy_v1", "policy_v2", "policy_v3"]
+        assert [line for line in log if line.endswith("unloaded")] == ["policy_v1 unloaded"]
+        assert [p.name for p in (run / "weights").iterdir()] == ["adapter_v3"]

@@ -106,9 +106,9 @@ def manager_config(tmp_path: Path, *overrides: str):
                               f"output_dir={tmp_path}", "run_name=r", *overrides]))
 
 
-def start_manager(cfg, run_dir: Path, num_engines: int = 2):
-    """A RolloutManager actor with ``num_engines`` embedded CPU engines (one torch thread each), started; returns
-    (manager, engine actors, engine urls). Ray must be initialised."""
+def start_manager(cfg, run_dir: Path, num_engines: int = 2, lora: dict | None = None):
+    """A RolloutManager actor with ``num_engines`` embedded CPU engines (one torch thread each; serving LoRA adapters
+    of the PEFT config ``lora``), started; returns (manager, engine actors, engine urls). Ray must be initialised."""
     import ray
 
     from slime_hydra.model.warm_start import resolve_model_path
@@ -117,7 +117,7 @@ def start_manager(cfg, run_dir: Path, num_engines: int = 2):
 
     model_path = str(resolve_model_path(cfg.model, cfg.data, cfg.seed))
     engines = [ray.remote(EngineActor).options(num_cpus=0).remote(
-        i, model_path, str(run_dir / "logs"), dtype="float32", max_batch_size=256, torch_threads=1)
+        i, model_path, str(run_dir / "logs"), dtype="float32", max_batch_size=256, torch_threads=1, lora=lora)
         for i in range(num_engines)]
     manager = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, model_path, str(run_dir), engines)
     urls = ray.get(manager.start.remote(), timeout=300)

@@ -6,10 +6,12 @@ different checkpoint pushed as version 1 before the rollout, so a restart that k
 the greedy tokens), registered in the router again, and serve the next batch. A second test, with one engine,
 checks a failed request is retried once the engine is back, and that when the restart fails the error names the
 engine and why. A third kills an engine between two broadcast syncs (weight_sync=distributed): the broadcast group is
-formed again with every engine.
+formed again with every engine. A fourth kills an engine after a LoRA adapter sync by disk: the restarted engine loads
+the named adapter again.
 """
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -43,9 +45,10 @@ def local_ray(tmp_path_factory):
     ray.shutdown()
 
 
-async def _engine_info(urls: list[str], api_key: str) -> list[dict]:
+async def _engine_info(urls: list[str], api_key: str, lora_path: str | None = None) -> list[dict]:
     async def one(url):
         async with SGLangClient(url, api_key=api_key) as c:
+            c.lora_path = lora_path
             info = await c.server_info()
             greedy = await c.generate([5, 6, 7, 8], {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
             return {"tokens": info["internal_states"][0]["generated_tokens"], "greedy": greedy["output_ids"],
@@ -247,5 +250,46 @@ def test_broadcast_group_is_formed_again_after_a_restart(tmp_path):
         back = asyncio.run(_engine_info(urls, key))
         assert back[0]["greedy"] == back[1]["greedy"] not in (initial[0]["greedy"], synced[0]["greedy"])
         assert len(ray.get(manager.generate_batch.remote(), timeout=180)["samples"]) == 4
+    finally:
+        ray.get(manager.shutdown.remote(), timeout=60)
+
+
+def test_a_restarted_engine_loads_the_named_adapter_again(tmp_path):
+    """A LoRA adapter synced by disk (SGLang's /load_lora_adapter) is replayed into a restarted engine: it is back in
+    the router with the adapter under the same name and the sync's version, generating what the other engine does."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    cfg = manager_config(tmp_path, "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2",
+                         "rollout.health_check_interval_s=0.5")
+    base = resolve_model_path(cfg.model, cfg.data, seed=cfg.seed)
+    torch.manual_seed(3)  # init_lora_weights=False: B random too, so the adapter changes the greedy tokens
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                             LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    adapter.save_pretrained(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    manager, engines, urls = start_manager(cfg, tmp_path / "r", lora=config)
+    key = read_api_key(tmp_path / "r")
+    try:
+        initial = asyncio.run(_engine_info(urls, key))
+        ray.get(manager.begin_weight_update.remote())
+        ray.get(manager.load_adapter_from_disk.remote(str(tmp_path / "adapter"), 1))
+        ray.get(manager.finish_weight_update.remote(1))
+        synced = asyncio.run(_engine_info(urls, key, lora_path="policy_v1"))
+        assert synced[0]["greedy"] == synced[1]["greedy"] != initial[0]["greedy"]
+
+        old_pid = ray.get(engines[1].pid.remote())
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while ray.get(engines[1].pid.remote()) == old_pid or not all(
+                e["up"] and e["in_router"] for e in ray.get(manager.engine_status.remote())):
+            assert time.monotonic() < deadline, ray.get(manager.engine_status.remote())
+            time.sleep(0.2)
+        assert ray.get(manager.engine_weight_versions.remote()) == ["1", "1"]
+        back = asyncio.run(_engine_info(urls, key, lora_path="policy_v1"))
+        assert back[1]["greedy"] == back[0]["greedy"] == synced[0]["greedy"]  # the adapter, loaded again
+        samples = ray.get(manager.generate_batch.remote(), timeout=180)["samples"]
+        assert len(samples) == 4 and all(s["weight_version"] == 1 for s in samples)
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)

@@ -1,5 +1,6 @@
 """The real sglang-router in front of an embedded engine: started empty, the engine added through /workers,
-readiness, /generate through the router identical to the engine's own answers, removal, clean stop."""
+readiness, /generate through the router identical to the engine's own answers (``lora_path`` passed on), removal,
+clean stop."""
 
 import os
 
@@ -64,6 +65,11 @@ async def test_generate_through_router_matches_engine(engine, router):
         with pytest.raises(EngineError) as err:
             await routed.abort(abort_all=True)
         assert err.value.status == 404
+        # The router passes lora_path on (LoRA adapter sync names the adapter in every /generate): this engine
+        # serves none, and says so about the name it was given.
+        routed.lora_path = "policy_v3"
+        with pytest.raises(EngineError, match=r"LoRA adapter 'policy_v3' is not loaded \(loaded: \[\]\)"):
+            await routed.generate(PROMPTS[0], greedy)
 
     router.remove_worker(engine.url)
     assert router.workers() == []

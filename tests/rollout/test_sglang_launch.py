@@ -68,9 +68,10 @@ def test_tp_seed_offset_memory_saver_exact():
 def test_bool_flags():
     # store_true: only when true; BooleanOptionalAction: --x / --no-x; Optional[bool] without action: store_true
     assert render_options({"enable_torch_compile": True, "disable_radix_cache": False, "skip_server_warmup": True,
-                           "enable_tf32_matmul": False, "lora_strict_loading": True, "enable_lora": True}) == [
+                           "enable_tf32_matmul": False, "lora_strict_loading": True,
+                           "enable_lora_overlap_loading": True}) == [
         "--enable-torch-compile", "--skip-server-warmup", "--no-enable-tf32-matmul", "--lora-strict-loading",
-        "--enable-lora"]
+        "--enable-lora-overlap-loading"]
 
 
 def test_lists_one_flag_then_values():
@@ -182,6 +183,23 @@ def test_validation_refuses_bad_values_before_launch():
 
 
 # ---- from the config -------------------------------------------------------------------------------------------------
+
+def test_adapter_sync_enables_sglangs_lora(capsys):
+    """train.lora.sync=adapter: the engines start with LoRA on, sized by train.lora, in the spelling of SGLang's
+    parser (the snapshot's flags; the target modules among its choices)."""
+    assert main([*GPU, "rollout.num_gpus=1", "train.lora.rank=16", "train.lora.sync=adapter",
+                 "train.lora.target_modules=[v_proj,q_proj]"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.endswith("--config $API_KEY_CONFIG --enable-lora --max-lora-rank 16 --lora-target-modules q_proj "
+                         "v_proj --mem-fraction-static 0.7")
+    specs = snapshot("sglang_server_args")["options"]
+    assert [specs[k]["flags"] for k in ("enable_lora", "max_lora_rank", "lora_target_modules")] == [
+        ["--enable-lora"], ["--max-lora-rank"], ["--lora-target-modules"]]
+    assert specs["lora_target_modules"]["nargs"] == "*" and {"q_proj", "v_proj"} <= set(
+        specs["lora_target_modules"]["choices"])
+    assert main([*GPU, "rollout.num_gpus=1", "train.lora.rank=16"]) == 0  # merged sync: plain engines
+    assert "lora" not in capsys.readouterr().out
+
 
 def test_launch_from_config():
     cfg = to_config(compose([*GPU, "rollout.num_gpus=4", "rollout.gpus_per_engine=2", "seed=7",

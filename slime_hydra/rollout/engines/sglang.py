@@ -18,6 +18,9 @@ What the platform sets on every engine (``SGLANG_OWNED`` below refuses them in `
     --weight-version                  the policy version the engine starts with ("0": the initial weights)
     --enable-memory-saver             cluster.colocate (engines release GPU memory while the trainer runs)
     --config FILE                     a YAML file holding ``api_key``: the run's key (rollout/auth.py)
+    --enable-lora --max-lora-rank R --lora-target-modules M...
+                                      train.lora with adapter sync (``Derived.lora_sync``): the engines apply the
+                                      policy's adapter at run time, loaded at each sync by /load_lora_adapter
 
 then every ``rollout.sglang`` option, in the order written, rendered from its snapshot entry the way SGLang's
 argparse parser reads it back:
@@ -59,6 +62,9 @@ SGLANG_MODULE = "sglang.launch_server"
 INITIAL_WEIGHT_VERSION = "0"
 """The weight_version an engine starts with (the embedded engine's default too); syncs set the trainer's step."""
 
+LORA_OWNER = ("train.lora.rank and train.lora.target_modules (with train.lora.sync=adapter the engines apply the "
+              "policy's adapter)")
+
 PLACEMENT = "set by the platform from the Ray placement (it picks ports, GPUs and addresses per engine)"
 
 SGLANG_OWNED = {  # the ServerArgs fields each engine gets from the platform (the table above)
@@ -80,6 +86,9 @@ SGLANG_OWNED = {  # the ServerArgs fields each engine gets from the platform (th
     "node_rank": PLACEMENT,
     "api_key": "the run's own key (rollout/auth.py: generated per run, given through --config)",
     "admin_api_key": "the run's own key (rollout/auth.py: an admin key would lock the trainer out of weight updates)",
+    "enable_lora": LORA_OWNER,
+    "max_lora_rank": LORA_OWNER,
+    "lora_target_modules": LORA_OWNER,
 }
 
 
@@ -114,6 +123,10 @@ class SGLangLaunch:
     """--context-length in tokens: the longest prompt + response the rollout and eval sets ask for."""
     memory_saver: bool = False
     """--enable-memory-saver: colocated engines release and resume GPU memory around training."""
+    lora_rank: int = 0
+    """train.lora.rank when only the policy's LoRA adapter is synced (``--enable-lora``); 0: merged weights."""
+    lora_targets: tuple[str, ...] = ()
+    """train.lora.target_modules then (HF module names, SGLang's spelling too)."""
     options: dict = field(default_factory=dict)
     """rollout.sglang passthrough options (ServerArgs field name -> value), rendered after the platform's flags."""
 
@@ -133,6 +146,9 @@ class SGLangLaunch:
             argv.append("--enable-memory-saver")
         if config is not None:
             argv += ["--config", config]
+        if self.lora_rank:
+            argv += ["--enable-lora", "--max-lora-rank", str(self.lora_rank),
+                     "--lora-target-modules", *sorted(self.lora_targets)]
         return argv + render_options(self.options)
 
 
@@ -142,9 +158,10 @@ def api_key_config(api_key: str) -> str:
     return f"api_key: {json.dumps(api_key)}\n"
 
 
-def launch_for(cfg, dtype: str, model_path: str | None = None) -> SGLangLaunch:
+def launch_for(cfg, dtype: str, model_path: str | None = None, adapter: bool = False) -> SGLangLaunch:
     """The SGLangLaunch of a SlimeConfig (it reads model.path, rollout, data, seed and cluster.colocate); dtype:
-    the engines' (``Derived.engine_dtype``); model_path: the checkpoint the run uses (default model.path)."""
+    the engines' (``Derived.engine_dtype``); model_path: the checkpoint the run uses (default model.path); adapter:
+    the run syncs the LoRA adapter alone (``Derived.lora_sync``; train.lora sizes the engines' adapters)."""
     path = model_path or cfg.model.path
     if path is None:
         raise ConfigError([Problem(("model.path", "rollout.backend"), "rollout=sglang needs a checkpoint directory",
@@ -155,7 +172,8 @@ def launch_for(cfg, dtype: str, model_path: str | None = None) -> SGLangLaunch:
         model_path=str(path), tp_size=cfg.rollout.gpus_per_engine,
         dtype=dtype, seed=cfg.seed,
         context_tokens=cfg.data.max_prompt_tokens + max(budgets),
-        memory_saver=cfg.cluster.colocate, options=dict(cfg.rollout.sglang))
+        memory_saver=cfg.cluster.colocate, lora_rank=cfg.train.lora.rank if adapter else 0,
+        lora_targets=tuple(cfg.train.lora.target_modules) if adapter else (), options=dict(cfg.rollout.sglang))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -295,7 +313,7 @@ def _scalar(key: str, spec: dict, value: Any) -> str:
 def engine_commands(cfg, derived) -> list[str]:
     """One shell line per engine of a SlimeConfig and its Derived values, with $HOST / $PORT / $NCCL_PORT /
     $API_KEY_CONFIG where values are picked, or files written, at start."""
-    launch = launch_for(cfg, derived.engine_dtype, cfg.model.path or "$MODEL_PATH")
+    launch = launch_for(cfg, derived.engine_dtype, cfg.model.path or "$MODEL_PATH", derived.lora_sync == "adapter")
     num_engines = derived.num_engines
     lines = []
     for i in range(num_engines):

@@ -17,7 +17,8 @@ Endpoints
 ``GET /get_weight_version``, ``POST /generate``, ``POST /abort_request``, ``GET|POST /flush_cache``,
 ``POST /pause_generation``, ``POST /continue_generation``, ``POST /update_weights_from_disk``,
 ``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``,
-``POST /destroy_weights_update_group``, ``POST /update_weights_from_tensor``, ``POST /release_memory_occupation``,
+``POST /destroy_weights_update_group``, ``POST /update_weights_from_tensor``, ``POST /update_weight_version``,
+``POST /load_lora_adapter``, ``POST /unload_lora_adapter``, ``POST /release_memory_occupation``,
 ``POST /resume_memory_occupation``.
 
 /generate
@@ -81,6 +82,26 @@ Weight transport: ``/update_weights_from_tensor`` takes ``serialized_named_tenso
 (``master_address``, ``master_port``, ``rank_offset``, ``world_size``, ``group_name``, ``backend``: gloo on CPU, nccl
 on GPU). Tensors may be any subset of
 the model's state dict (buckets); ``/update_weights_from_disk {"model_path"}`` must cover every weight.
+
+``/update_weight_version {"new_version", "abort_all_requests"}`` relabels the weights (SGLang's; it aborts every
+request unless ``abort_all_requests`` is false).
+
+LoRA adapters
+-------------
+With ``--lora-config JSON`` (a PEFT adapter config) the model is served with LoRA adapter modules, fp32, B = 0 at
+start, applied at run time: each adapted linear computes ``W x + (lora_alpha / r) B A x``. Two ways set them:
+
+- **in place** (the model's own adapter): weight updates by saved-adapter keys (``weight_transport.adapter_key``)
+  write A and B like any weight; requests without ``lora_path`` run with it.
+- **named** (SGLang's LoRA protocol): ``/load_lora_adapter {"lora_name", "lora_path"}`` reads a PEFT adapter
+  directory (same ``r``, ``lora_alpha`` and ``target_modules`` as ``--lora-config``, plain LoRA), and a /generate with
+  ``lora_path: name`` (one name, or one per prompt of a batch) runs with it; an unknown name is refused (400).
+  ``/unload_lora_adapter {"lora_name"}`` refuses the name to new requests at once and drops the adapter once the
+  requests using it have ended. Both answer ``{"success", "error_message", "loaded_adapters": {name: path}}``.
+
+A running batch runs with one adapter: the scheduler admits only requests with the batch's ``lora_path`` and, once the
+batch is empty, copies the next request's adapter into the modules (in place: the decode graphs stay valid). Mixed
+queues are served in turns, FIFO.
 
 ``/release_memory_occupation`` (needs an empty running batch: pause with ``abort`` or ``retract`` first) parks the
 weights: on CUDA they move to host memory and the GPU cache is emptied; on CPU the parameters are emptied and the

@@ -53,7 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "HTTP loop needs a core: spinning OpenMP workers on every core stall it for seconds)")
     parser.add_argument("--lora-config", type=json.loads, default=None,
                         help="a PEFT LoRA adapter config as JSON (adapter_config.json's content): serve the model with "
-                             "these adapters (B = 0 until a weight update sets them), applied at run time")
+                             "these adapter modules (B = 0 until a weight update sets them, or named adapters of this "
+                             "shape loaded by /load_lora_adapter), applied at run time")
     parser.add_argument("--max-request-mb", type=int, default=4096, help="largest request body accepted")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)

@@ -29,10 +29,10 @@ _NEUTRAL_ONLY = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_
 _NO_EFFECT = {"spaces_between_special_tokens", "stream_interval"}
 
 # Top-level /generate fields that must be off here, and fields that change nothing (sglang-router fills some in).
-_OFF_ONLY = ("stream", "return_hidden_states", "return_entropy", "return_bytes", "background", "lora_path",
+_OFF_ONLY = ("stream", "return_hidden_states", "return_entropy", "return_bytes", "background",
              "custom_logit_processor", "image_data", "audio_data", "video_data", "input_embeds", "token_ids_logprob")
 _IGNORED_FIELDS = ("model", "log_metrics", "no_logs", "priority", "data_parallel_rank")
-_PER_PROMPT_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
+_PER_PROMPT_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "lora_path")
 
 
 @dataclass
@@ -106,8 +106,10 @@ class Request:
 
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, return_logprob: bool,
                  logprob_start_len: int, top_logprobs_num: int, return_text_in_logprobs: bool,
-                 generator: Optional[torch.Generator]):
+                 generator: Optional[torch.Generator], adapter: Optional[str] = None):
         self.rid = rid
+        self.adapter = adapter
+        """The named LoRA adapter it runs with (``lora_path``; None: the model as served)."""
         self.prompt_ids = prompt_ids
         self.params = params
         self.return_logprob = return_logprob
@@ -176,10 +178,11 @@ def parse_generate(body: dict, make_request: Callable[..., Request]) -> tuple[li
 
     columns = {key: column(key, default) for key, default in
                (("sampling_params", None), ("rid", None), ("return_logprob", False), ("logprob_start_len", -1),
-                ("top_logprobs_num", 0))}
+                ("top_logprobs_num", 0), ("lora_path", None))}
     with_text = bool(body.get("return_text_in_logprobs", False))
     reqs = [make_request(p, columns["sampling_params"][i], columns["rid"][i], columns["return_logprob"][i],
-                         columns["logprob_start_len"][i], columns["top_logprobs_num"][i], with_text)
+                         columns["logprob_start_len"][i], columns["top_logprobs_num"][i], with_text,
+                         columns["lora_path"][i])
             for i, p in enumerate(prompts)]
     if len({r.rid for r in reqs}) != len(reqs):
         raise RequestError("rids repeat within the batch")

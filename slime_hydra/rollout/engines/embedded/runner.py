@@ -26,6 +26,11 @@ def _has_tokenizer(path: Path) -> bool:
     return any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
+def _comparable(value):
+    """A config value as compared between adapters: target-module lists in any order."""
+    return frozenset(value) if isinstance(value, (list, tuple, set)) else value
+
+
 def _bump(version: str) -> str:
     return str(int(version) + 1) if version.lstrip("-").isdigit() else "1"
 
@@ -53,6 +58,8 @@ class ModelRunner:
                                  "embedded engine (its logits are the LM head's); serve this model with rollout=sglang")
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
                                                           attn_implementation=register_attention())
+        self.lora = lora
+        """The adapter config the model is served with (None: no adapters)."""
         if lora is not None:
             self._add_adapters(lora)
         self.model.to(self.device).eval().requires_grad_(False)
@@ -79,6 +86,12 @@ class ModelRunner:
         """Names updates may use for tensors the model holds under PEFT's names (adapter keys, base weights)."""
         self._parked: Optional[dict[int, torch.Tensor]] = None
         """While released: id(parameter) -> its host copy."""
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}
+        """Named adapters (SGLang's /load_lora_adapter): name -> PEFT parameter name -> tensor (fp32, on the device)."""
+        self.serving: Optional[str] = None
+        """The named adapter whose A and B are in the model's adapter modules; None: the model's own adapter."""
+        self._own: Optional[dict[str, torch.Tensor]] = None
+        """While a named adapter is served: the model's own adapter (what updates by saved-adapter keys set)."""
         self._groups: dict[str, Any] = {}
 
         self.running: list[Request] = []
@@ -150,16 +163,71 @@ class ModelRunner:
                 problems.append(f"missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
         if problems:
             raise RequestError("; ".join(problems[:16]))
+        own = {n: t for n, t in named.items() if self._own is not None and n in self._own}
+        self._write({n: t for n, t in named.items() if n not in own})
+        for name, tensor in own.items():  # a named adapter is in the modules: the model's own waits aside
+            self._own[name].copy_(tensor)
+
+    def _write(self, named: dict[str, torch.Tensor]) -> None:
+        """Copy tensors, by the model's own names, into the live parameters (or their parked copies)."""
         with torch.no_grad():
             for name, tensor in named.items():
                 target = self._tensors[name]
-                dest = self._parked[id(target)] if self._parked is not None and id(target) in self._parked else target
+                dest = self._parked_or_live(target)
                 dest.copy_(tensor.to(dest.device))
 
+    # -- named adapters (SGLang's LoRA protocol) -------------------------------------------------------------------
+
+    def adapter_problems(self, config: dict) -> list[str]:
+        """Why a PEFT adapter_config cannot be served here: the adapter modules are those of ``--lora-config``, so a
+        named adapter must have the same rank, alpha and target modules, and be a plain LoRA (no rsLoRA, DoRA or
+        trained biases)."""
+        if self.lora is None:
+            return ["this engine serves no LoRA adapters: start it with --lora-config"]
+        problems = [f"{key}={config.get(key)!r} differs from the served adapters' {self.lora.get(key)!r}"
+                    for key in ("r", "lora_alpha", "target_modules")
+                    if _comparable(config.get(key)) != _comparable(self.lora.get(key))]
+        for key, plain in (("use_rslora", False), ("use_dora", False), ("bias", "none")):
+            if config.get(key, plain) != plain:
+                problems.append(f"{key}={config[key]!r} is not served (only {key}={plain!r})")
+        return problems
+
+    def add_adapter(self, name: str, named: dict[str, torch.Tensor]) -> None:
+        """Keep a named adapter (every A and B of the served adapter modules, by saved-adapter keys)."""
+        mapped = {self._aliases.get(k, k): t for k, t in named.items()}
+        slots = {n: t for n, t in self._tensors.items() if ".lora_" in n}
+        problems = [f"unknown adapter weight {k!r}" for k, n in zip(named, mapped) if n not in slots]
+        problems += [f"{n}: shape {tuple(t.shape)} != {tuple(self._shape(slots[n]))}" for n, t in mapped.items()
+                     if n in slots and tuple(t.shape) != tuple(self._shape(slots[n]))]
+        missing = sorted(set(slots) - set(mapped))
+        if missing:
+            problems.append(f"missing adapter weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if problems:
+            raise RequestError("; ".join(problems[:16]))
+        self.adapters[name] = {n: t.to(self.device, torch.float32) for n, t in mapped.items()}
+
+    def drop_adapter(self, name: str) -> None:
+        if self.serving == name:
+            self.activate(None)
+        del self.adapters[name]
+
+    def activate(self, name: Optional[str]) -> None:
+        """Put adapter ``name`` (None: the model's own) into the adapter modules, in place (the decode graphs read
+        the same storage), before a batch that runs with it."""
+        if name == self.serving:
+            return
+        if self.serving is None:
+            self._own = {n: self._parked_or_live(t).clone() for n, t in self._tensors.items() if ".lora_" in n}
+        self._write(self._own if name is None else self.adapters[name])
+        if name is None:
+            self._own = None
+        self.serving = name
+
+    def _parked_or_live(self, target: torch.Tensor) -> torch.Tensor:
+        return self._parked[id(target)] if self._parked is not None and id(target) in self._parked else target
+
     def _shape(self, target: torch.Tensor) -> torch.Size:
-        if self._parked is not None and id(target) in self._parked:
-            return self._parked[id(target)].shape
-        return target.shape
+        return self._parked_or_live(target).shape
 
     def release(self, tags: list[str]) -> None:
         """Free GPU memory by tag: ``weights`` parks them on the host, ``kv_cache`` frees the slot cache,

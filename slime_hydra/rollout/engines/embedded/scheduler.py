@@ -5,7 +5,8 @@ State it owns: the waiting queue (FIFO), every live request by rid (waiting or r
 (weight updates, memory release/resume) and the flags that aborts, pauses and retracts leave for the next boundary.
 Each iteration of ``_schedule_forever`` does, in order: finish aborted requests, retract the batch if asked, run the
 first control operation if it may run now (a draining one waits for an empty batch unless generation is paused),
-otherwise admit waiting requests into free rows (none while a control operation waits) and run one step: a prefill if
+otherwise admit waiting requests into free rows (none while a control operation waits; only those that run with the
+batch's LoRA adapter, the next one's put in place once the batch is empty) and run one step: a prefill if
 anything was admitted, else a decode of the batch. Nothing steps while generation is paused or the weights are
 released; with nothing to do it sleeps until woken. Finished requests are answered here (``protocol.response``); a
 failed step fails only the requests it touched, a scheduler error fails everything and turns /health to 503.
@@ -63,13 +64,17 @@ class Engine:
         self._task: Optional[asyncio.Task] = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._dead: Optional[str] = None
+        self.adapter_paths: dict[str, str] = {}
+        """Named adapters that requests may use (``lora_path``) -> the directory each was loaded from."""
+        self._finished: Optional[asyncio.Event] = None
+        """Set whenever a request ends (an unload waits for the requests using its adapter)."""
         self.generated_tokens = 0
         self.started = time.time()
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._wake = asyncio.Event()
+        self._wake, self._finished = asyncio.Event(), asyncio.Event()
         self._task = asyncio.create_task(self._schedule_forever(), name="scheduler")
 
     async def stop(self) -> None:
@@ -96,9 +101,13 @@ class Engine:
     # -- requests --------------------------------------------------------------------------------------------------
 
     def make_request(self, prompt, params: Optional[dict], rid: Optional[str], return_logprob: bool,
-                     logprob_start_len: int, top_logprobs_num: int, return_text_in_logprobs: bool) -> Request:
+                     logprob_start_len: int, top_logprobs_num: int, return_text_in_logprobs: bool,
+                     lora_path: Optional[str] = None) -> Request:
         """Validate one prompt's fields (RequestError on any problem) and build its Request."""
         runner = self.runner
+        if lora_path is not None and lora_path not in self.adapter_paths:
+            raise RequestError(f"LoRA adapter {lora_path!r} is not loaded (loaded: {sorted(self.adapter_paths)}); "
+                               "load it with /load_lora_adapter")
         if isinstance(prompt, str):
             if runner.tokenizer is None:
                 raise RequestError("text prompts need a tokenizer in the model directory; send input_ids")
@@ -132,7 +141,7 @@ class Engine:
         if sampling.sampling_seed is not None:
             generator = torch.Generator(device=runner.device).manual_seed(sampling.sampling_seed)
         return Request(rid, prompt_ids, sampling, bool(return_logprob), logprob_start_len,
-                       min(top_logprobs_num, runner.vocab_size), bool(return_text_in_logprobs), generator)
+                       min(top_logprobs_num, runner.vocab_size), bool(return_text_in_logprobs), generator, lora_path)
 
     def submit(self, reqs: list[Request]) -> None:
         if not self.healthy:
@@ -190,6 +199,33 @@ class Engine:
         self._wake.set()
         return await op.future
 
+    # -- named LoRA adapters (SGLang's /load_lora_adapter and /unload_lora_adapter) ---------------------------------
+
+    async def load_adapter(self, name: str, path: str, config: dict,
+                           read: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """Make adapter ``name`` usable by requests: ``path`` holds its adapter_config ``config`` and ``read()``
+        returns its tensors (called only once the config fits); RequestError if the name is taken or the adapter
+        does not fit the served adapter modules."""
+        if name in self.adapter_paths:
+            raise RequestError(f"LoRA adapter {name!r} is already loaded; unload it first")
+        problems = self.runner.adapter_problems(config)
+        if problems:
+            raise RequestError(f"LoRA adapter {name!r} ({path}): " + "; ".join(problems))
+        named = await asyncio.to_thread(read)
+        await self.control(lambda: self.runner.add_adapter(name, named), drain=False)
+        self.adapter_paths[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        """New requests may no longer name the adapter at once; it is dropped when the requests using it have ended
+        (as SGLang does: an unload waits for them, paused ones included)."""
+        if name not in self.adapter_paths:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(self.adapter_paths)})")
+        del self.adapter_paths[name]
+        while any(r.adapter == name for r in self._live.values()):
+            self._finished.clear()
+            await self._finished.wait()
+        await self.control(lambda: self.runner.drop_adapter(name), drain=False)
+
     # -- the scheduler ---------------------------------------------------------------------------------------------
 
     async def _schedule_forever(self) -> None:
@@ -208,8 +244,9 @@ class Engine:
                 stepping = not self.paused and not self.runner.released
                 admit = []
                 if stepping and not self._controls:
+                    await self._serve_adapter_of_next(loop)
                     room = self.max_batch_size - len(self.runner.running)
-                    while self._waiting and len(admit) < room:
+                    while self._waiting and len(admit) < room and self._waiting[0].adapter == self.runner.serving:
                         admit.append(self._waiting.popleft())
                 if admit or (stepping and self.runner.running):
                     await self._run_step(loop, admit)
@@ -221,6 +258,12 @@ class Engine:
             logger.exception("scheduler stopped")
             self._dead = f"{type(exc).__name__}: {exc}"
             self._fail_everything(f"engine scheduler stopped: {self._dead}")
+
+    async def _serve_adapter_of_next(self, loop) -> None:
+        """A batch runs with one adapter: once it is empty, the next request's adapter goes into the model (the queue
+        stays FIFO: a request with another adapter waits for the batch to finish, and so do those behind it)."""
+        if self._waiting and not self.runner.running and self._waiting[0].adapter != self.runner.serving:
+            await loop.run_in_executor(self._executor, self.runner.activate, self._waiting[0].adapter)
 
     def _retract(self) -> None:
         """Running requests go back to the queue front with their tokens; re-admission prefills prompt + tokens."""
@@ -273,12 +316,14 @@ class Engine:
 
     def _complete(self, r: Request) -> None:
         self._live.pop(r.rid, None)
+        self._finished.set()
         self.generated_tokens += len(r.output_ids)
         if not r.future.done():
             r.future.set_result(response(r, self.runner.tokenizer, self.runner.weight_version))
 
     def _fail(self, r: Request, message: str) -> None:
         self._live.pop(r.rid, None)
+        self._finished.set()
         if not r.future.done():
             r.future.set_exception(RuntimeError(message))
 
@@ -308,7 +353,8 @@ class Engine:
                 "torch_threads": torch.get_num_threads(), "tp_size": 1, "dp_size": 1,
                 "max_running_requests": self.max_batch_size, "context_length": runner.context_length,
                 "skip_tokenizer_init": runner.tokenizer is None, "weight_version": runner.weight_version,
-                "paused": self.paused, "memory_released": runner.released, "cuda_graph": runner.graphs is not None,
+                "paused": self.paused, "memory_released": runner.released,
+                "lora_adapters": sorted(self.adapter_paths), "cuda_graph": runner.graphs is not None,
                 "cuda_graph_captures": runner.graphs.captures if runner.graphs is not None else 0,
                 "kv_capacity_tokens": runner.kv.capacity,
                 "internal_states": [{"generated_tokens": self.generated_tokens,

@@ -4,7 +4,8 @@ memory operations the control operations run), plus ``read_checkpoint`` for /upd
 
 Errors: a ``RequestError`` is answered 400 and any other exception 500, as ``{"error": {"message"}}``, except on the
 weight endpoints (``/update_weights*``, ``/init_weights*``, ``/destroy_weights*``), which answer SGLang's
-``{"success": false, "message"}``. A client that disconnects from /generate aborts its requests.
+``{"success": false, "message"}``, and the LoRA ones (``/load_lora_adapter``, ``/unload_lora_adapter``), which answer
+SGLang's ``{"success": false, "error_message"}`` with 400. A client that disconnects from /generate aborts its requests.
 
 The API key (``rollout/auth.py``): with one, every endpoint but ``/health*`` answers 401 (``{"error": {"message"}}``
 saying what to send) to a request without ``Authorization: Bearer <key>``, before the request is read, so a refused
@@ -12,6 +13,7 @@ request changes nothing; without one, everything is open.
 """
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Callable, Optional
@@ -29,6 +31,13 @@ from slime_hydra.weight_transport import (
 logger = logging.getLogger("slime_hydra.engine")
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+LORA_UPDATES = ("/load_lora_adapter", "/unload_lora_adapter")
+
+
+def _lora_outcome(engine: Engine) -> web.Response:
+    return web.json_response({"success": True, "error_message": None, "loaded_adapters": dict(engine.adapter_paths)})
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -155,12 +164,13 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
             raise RequestError(f"load_format={body['load_format']!r}: the embedded engine reads safetensors/bin")
         abort_first(body)
         named = await asyncio.to_thread(read_checkpoint, path)
+        if all(split_adapter_key(name) for name in named):
+            raise RequestError(f"{path} holds a LoRA adapter, not a model: load it with /load_lora_adapter")
 
         def apply():
             runner.load_weights(named, complete=True)
             runner.set_version(body.get("weight_version"), bump=True)
-            if not all(split_adapter_key(name) for name in named):  # an adapter directory leaves the base as is
-                runner.model_path = str(Path(path).resolve())
+            runner.model_path = str(Path(path).resolve())
 
         await engine.control(apply, drain=True)
         logger.info("weights loaded from %s; weight_version %s", path, runner.weight_version)
@@ -248,6 +258,40 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
                     runner.weight_version)
         return _outcome(True, f"loaded {count} tensors")
 
+    @routes.post("/update_weight_version")
+    async def update_weight_version(request):
+        body = await _body(request)
+        version = body.get("new_version")
+        if not isinstance(version, str) or not version:
+            raise RequestError(f"new_version={version!r} must be a non-empty string")
+        if body.get("abort_all_requests", True):  # SGLang's default
+            engine.abort(abort_all=True, message="aborted by update_weight_version")
+        runner.set_version(version, bump=False)
+        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
+                                  "new_version": version})
+
+    @routes.post("/load_lora_adapter")
+    async def load_lora_adapter(request):
+        body = await _body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"lora_name={name!r} must be a non-empty string")
+        if not isinstance(path, str) or not (Path(path) / "adapter_config.json").is_file():
+            raise RequestError(f"lora_path={path!r} is not a PEFT adapter directory (no adapter_config.json)")
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+        await engine.load_adapter(name, path, config, lambda: read_checkpoint(path))
+        logger.info("LoRA adapter %s loaded from %s", name, path)
+        return _lora_outcome(engine)
+
+    @routes.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request):
+        name = (await _body(request)).get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"lora_name={name!r} must be a non-empty string")
+        await engine.unload_adapter(name)
+        logger.info("LoRA adapter %s unloaded", name)
+        return _lora_outcome(engine)
+
     def memory_tags(body: dict) -> list:
         tags = body.get("tags") or list(MEMORY_TAGS)
         unknown = [t for t in tags if t not in MEMORY_TAGS]
@@ -277,6 +321,9 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
         except RequestError as exc:
             if request.path.startswith(("/update_weights", "/init_weights", "/destroy_weights")):
                 return _outcome(False, str(exc))
+            if request.path in LORA_UPDATES:  # SGLang's LoRAUpdateOutput, answered 400
+                return web.json_response({"success": False, "error_message": str(exc), "loaded_adapters": None},
+                                         status=400)
             return _error(str(exc), 400)
         except web.HTTPException:
             raise
