@@ -11,7 +11,9 @@ positions whose logits are computed, V = vocabulary, L = layers, H = hidden, F =
 heads / KV heads / head dim):
 
     trainer static      P x (4 fp32 master + 4 fp32 grad + 8 Adam / ZeRO peers) + P x 2 bf16 compute copy + P x 2
-                        its gradients (GPU, bf16; added into the fp32 grads after the backward)
+                        its gradients (GPU, bf16; added into the fp32 grads after the backward); a MoE layer's
+                        routed experts count E x 3HF' (F' one expert's width), split by megatron over TP x EP with
+                        their Adam state over DP x CP / EP peers
     with train.lora     P x 2 (bf16; 4 fp32) frozen base + A_P x (4 fp32 adapter + 4 grad + 8 Adam / ZeRO peers),
                         A_P = rank x sum of (in + out) over the adapted linears, no compute copy; activations add
                         the adapters' fp32 inputs (4 x in bytes per token and adapted linear: PEFT upcasts x for
@@ -63,9 +65,12 @@ class Params:
     """Parameter counts of the model option (from its architecture numbers)."""
 
     per_layer: int
+    """All of one decoder layer's parameters (the routed experts included)."""
     embedding: int
     head: int
     final_norm: int
+    experts_per_layer: int = 0
+    """The routed experts' part of per_layer (megatron splits them over the EP ranks)."""
 
     def total(self, layers: int) -> int:
         return self.per_layer * layers + self.embedding + self.head + self.final_norm
@@ -84,13 +89,11 @@ def param_counts(cfg: SlimeConfig) -> Params:
     m = cfg.model
     h, g, d, hidden = m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.hidden_size
     attention = hidden * h * d + 2 * hidden * g * d + h * d * hidden + (h + 2 * g) * d  # + q/k/v biases
-    if m.is_moe:
-        mlp = m.num_experts * 3 * hidden * (m.moe_ffn_hidden_size or m.ffn_hidden_size) + hidden * m.num_experts
-    else:
-        mlp = 3 * hidden * m.ffn_hidden_size
+    experts = m.num_experts * 3 * hidden * (m.moe_ffn_hidden_size or 0)
+    mlp = experts + hidden * m.num_experts if m.is_moe else 3 * hidden * m.ffn_hidden_size  # + the router
     embedding = m.vocab_size * hidden
     return Params(per_layer=attention + mlp + 4 * hidden, embedding=embedding,
-                  head=0 if m.tie_word_embeddings else embedding, final_norm=hidden)
+                  head=0 if m.tie_word_embeddings else embedding, final_norm=hidden, experts_per_layer=experts)
 
 
 @dataclass
@@ -151,10 +154,13 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
     counts = param_counts(cfg)
     megatron = t.backend == "megatron"
     layers = math.ceil(m.num_layers / t.pp) if megatron else m.num_layers
-    if megatron:  # the busiest stage: its layers, the embedding (first) and the head (last), split over TP
-        params = (counts.per_layer * layers + (counts.embedding + counts.head if t.pp == 1 else counts.embedding)
-                  ) / t.tp
-        adam_peers = d.dp * t.cp if t.distributed_optimizer else 1
+    if megatron:  # the busiest stage: its layers, the embedding (first) and the head (last), split over TP; the
+        # routed experts over TP x EP, their Adam state over the DP x CP ranks that hold the same experts (/ EP)
+        experts = counts.experts_per_layer * layers / (t.tp * t.ep)
+        params = (counts.per_layer * layers - counts.experts_per_layer * layers
+                  + (counts.embedding + counts.head if t.pp == 1 else counts.embedding)) / t.tp + experts
+        peers = d.dp * t.cp if t.distributed_optimizer else 1
+        adam_peers = params / ((params - experts) / peers + experts / max(peers // t.ep, 1))
         shard = 1
     else:
         params = counts.total(m.num_layers)

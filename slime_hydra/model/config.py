@@ -15,8 +15,10 @@ from slime_hydra.options import Problem, choice, non_negative, positive
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "deepseek_v3")
 """model.family: the architectures the model options describe."""
 DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
-"""The families train=megatron converts (train/megatron/model.FAMILIES) and model/hf.py builds random-init test
-models of; the MoE ones (qwen3_moe, deepseek_v3) train with train=fsdp only."""
+"""The dense families: train=megatron converts them (train/megatron/model.FAMILIES) and model/hf.py builds
+random-init models of them."""
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+"""The mixture-of-experts families (model.num_experts > 0); model/hf.py builds random-init qwen3_moe models."""
 
 FUSED_GATE_UP = ("glm4",)
 """Families whose HF MLP holds gate and up as one ``gate_up_proj`` (train.lora cannot name gate_proj / up_proj)."""
@@ -98,7 +100,29 @@ class ModelConfig:
         if self.path is None and self.tokenizer == "char" and self.vocab_size < CHAR_VOCAB:
             yield Problem((f"{prefix}vocab_size",), f"the character tokenizer has {CHAR_VOCAB} tokens, more than "
                           f"vocab_size={self.vocab_size}", f"set {prefix}vocab_size={CHAR_VOCAB} or more")
+        yield from self._moe_problems(prefix)
         if self.num_kv_heads > 0 and self.num_attention_heads % self.num_kv_heads:
             yield Problem((f"{prefix}num_attention_heads", f"{prefix}num_kv_heads"),
                           f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                           f"num_kv_heads={self.num_kv_heads}", "check the model option's numbers against its config.json")
+
+    def _moe_problems(self, prefix: str) -> Iterator[Problem]:
+        """The expert numbers agree with each other and with the family."""
+        moe_keys = (f"{prefix}num_experts", f"{prefix}moe_top_k", f"{prefix}moe_ffn_hidden_size")
+        if self.family in MOE_FAMILIES and not self.is_moe:
+            yield Problem((f"{prefix}num_experts", f"{prefix}family"), f"family={self.family} is a mixture of experts "
+                          "but num_experts=0", "set num_experts, moe_top_k and moe_ffn_hidden_size from its config.json")
+        elif self.family not in MOE_FAMILIES and (self.is_moe or self.moe_top_k or self.moe_ffn_hidden_size):
+            yield Problem((*moe_keys, f"{prefix}family"), f"family={self.family} is dense; the expert options "
+                          f"(num_experts={self.num_experts}, moe_top_k={self.moe_top_k}, "
+                          f"moe_ffn_hidden_size={self.moe_ffn_hidden_size}) describe no layer of it",
+                          f"remove them, or set {prefix}family to one of {', '.join(MOE_FAMILIES)}")
+        elif self.is_moe and (self.moe_top_k == 0 or self.moe_ffn_hidden_size is None):
+            yield Problem(moe_keys, f"num_experts={self.num_experts} needs moe_top_k (experts per token) and "
+                          f"moe_ffn_hidden_size (one expert's width); got {self.moe_top_k} and "
+                          f"{self.moe_ffn_hidden_size}", "set both from the checkpoint's config.json "
+                          "(num_experts_per_tok, moe_intermediate_size)")
+        elif self.is_moe and self.moe_top_k > self.num_experts:
+            yield Problem((f"{prefix}moe_top_k", f"{prefix}num_experts"), f"moe_top_k={self.moe_top_k} experts per "
+                          f"token, of only num_experts={self.num_experts}", f"set {prefix}moe_top_k <= "
+                          f"{self.num_experts}")

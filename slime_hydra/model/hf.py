@@ -43,8 +43,9 @@ def save_tokenizer(tokenizer, save_dir) -> None:
 
 
 def hf_config(model: ModelConfig, **overrides) -> PretrainedConfig:
-    """The transformers config of this architecture (dense families; MoE/MLA families are not built here)."""
-    from transformers import Glm4Config, LlamaConfig, Qwen2Config, Qwen3Config
+    """The transformers config of this architecture (the dense families, and Qwen3-MoE: every layer sparse, top-k
+    weights renormalised, no shared expert; DeepSeek-V3's MLA is not built here)."""
+    from transformers import Glm4Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         num_hidden_layers=model.num_layers, hidden_size=model.hidden_size,
@@ -55,7 +56,12 @@ def hf_config(model: ModelConfig, **overrides) -> PretrainedConfig:
     )
     if model.head_dim is not None:
         common["head_dim"] = model.head_dim
-    classes = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "glm4": Glm4Config}
+    classes = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "glm4": Glm4Config,
+               "qwen3_moe": Qwen3MoeConfig}
+    if model.family == "qwen3_moe":
+        common.update(num_experts=model.num_experts, num_experts_per_tok=model.moe_top_k,
+                      moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[])
     if model.family not in classes:
         raise ValueError(f"model.family={model.family}: random-init building supports {sorted(classes)}")
     config = classes[model.family](**{**common, **overrides})

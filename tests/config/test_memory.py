@@ -161,3 +161,24 @@ def test_lora_plans_a_7b_model_on_one_h100_that_full_fine_tuning_cannot_hold():
     assert trainer.parts["fp32 adapters + grads"] == per_layer * m.num_layers * 8
     assert "fp32 masters + grads" not in trainer.parts and "bf16 compute copy" not in trainer.parts
     assert "reference copies" not in plan.host.parts
+
+
+def test_routed_experts_are_planned_per_ep_rank():
+    """Qwen3-30B-A3B on two 8 x H100 nodes (train=megatron, TP2): its 29B routed-expert parameters split over TP x
+    EP, their Adam state over the DP x CP / EP ranks that hold the same experts; the rest over TP and DP x CP."""
+    def trainer(ep: int):
+        cfg = to_config(compose(["model=qwen3_30b_a3b", *H100, "train=megatron", "train.num_gpus=16", "train.tp=2",
+                                 f"train.ep={ep}"]))
+        return cfg, trainer_usage(cfg, derive(cfg))
+
+    cfg, spread = trainer(8)
+    counts, m = param_counts(cfg), cfg.model
+    experts = m.num_experts * 3 * m.hidden_size * m.moe_ffn_hidden_size * m.num_layers
+    assert counts.experts_per_layer * m.num_layers == experts == 28_991_029_248
+    rest = counts.total(m.num_layers) - experts
+    per_rank = rest / 2 + experts / (2 * 8)
+    assert spread.parts["fp32 masters + grads"] == pytest.approx(per_rank * 8)
+    assert spread.parts["Adam state"] == pytest.approx((rest / 2 / 8 + experts / 16 / 1) * 8)  # DP 8, EP 8: 1 peer
+    _, whole = trainer(1)
+    assert whole.parts["fp32 masters + grads"] == pytest.approx((rest + experts) / 2 * 8)
+    assert whole.total > 80 * GiB > spread.total
