@@ -238,6 +238,12 @@ def check_lora(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
         return
     if cfg.model.family in FUSED_GATE_UP and {"gate_proj", "up_proj"} & set(lora.target_modules):
         yield gate_up_problem()
+    mlp = sorted({"gate_proj", "up_proj", "down_proj"} & set(lora.target_modules))
+    if cfg.model.is_moe and mlp:
+        yield Problem(("train.lora.target_modules", "model.family"),
+                      f"model.family={cfg.model.family} holds its MLPs as routed experts in fused [experts, ...] "
+                      f"tensors, not as the linears {mlp} PEFT adapts (it would skip them and train none)",
+                      "adapt the attention: train.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
     if t.backend == "megatron":
         yield from megatron_lora_problems(lora, t.tp, t.pp, cfg.model.num_kv_heads, False,
                                           cfg.model.family in QKV_BIAS, t.megatron)

@@ -22,6 +22,11 @@ INVALID = [
     (("rollout.over_sampling_batch_prompts=16",), "rollout.over_sampling_batch_prompts", ">= 32"),
     (("rollout.max_filter_attempts=0",), "rollout.max_filter_attempts", "rollout.max_filter_attempts to a value > 0"),
     (("rollout.max_generate_retries=-1",), "rollout.max_generate_retries", "must be >= 0"),
+    # mixture of experts
+    (("model=tiny_moe", "model.moe_top_k=9"), "model.moe_top_k", "set model.moe_top_k <= 8"),
+    (("model=tiny_moe", "model.moe_ffn_hidden_size=null"), "model.moe_ffn_hidden_size", "num_experts_per_tok"),
+    (("model=tiny_moe", "model.num_experts=0"), "model.num_experts", "family=qwen3_moe is a mixture of experts"),
+    (("model.num_experts=4",), "model.family", "family=qwen2 is dense"),
     # parallelism
     ((*BIG, "train=megatron", "train.num_gpus=6", "train.tp=4"), "train.num_gpus", "multiple of 4"),
     ((*BIG, "train=megatron", "train.num_gpus=3", "train.tp=3", "train.micro_batch_samples=1"),

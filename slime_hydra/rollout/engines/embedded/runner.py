@@ -140,6 +140,10 @@ class ModelRunner:
                 aliases[name.replace(".base_layer.", ".")] = name
         return aliases
 
+    def holds(self, name: str) -> bool:
+        """Whether an update may name this tensor (a model name, or an alias of one)."""
+        return self._aliases.get(name, name) in self._tensors
+
     def load_weights(self, named: dict[str, torch.Tensor], complete: bool) -> None:
         """Copy tensors into the model (or its parked copy); names/shapes are all checked before anything is copied.
         Names are the HF model's, or saved-adapter keys for the adapters of a model served with LoRA.

@@ -1,6 +1,7 @@
 """The embedded engine's HTTP server: the aiohttp routes of the endpoints the package docstring lists (``build_app``),
 each a thin shell over the ``Engine`` (requests, pauses, control operations) and its ``ModelRunner`` (the weight and
-memory operations the control operations run), plus ``read_checkpoint`` for /update_weights_from_disk.
+memory operations the control operations run), plus ``read_checkpoint`` (and ``read_through_transformers``) for
+/update_weights_from_disk.
 
 Errors: a ``RequestError`` is answered 400 and any other exception 500, as ``{"error": {"message"}}``, except on the
 weight endpoints (``/update_weights*``, ``/init_weights*``, ``/destroy_weights*``), which answer SGLang's
@@ -166,6 +167,8 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
         named = await asyncio.to_thread(read_checkpoint, path)
         if all(split_adapter_key(name) for name in named):
             raise RequestError(f"{path} holds a LoRA adapter, not a model: load it with /load_lora_adapter")
+        if not all(runner.holds(name) for name in named):  # stored in another layout than the model holds
+            named = await asyncio.to_thread(read_through_transformers, path, runner.dtype)
 
         def apply():
             runner.load_weights(named, complete=True)
@@ -360,6 +363,16 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+def read_through_transformers(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory under the names transformers holds them by, on CPU. Some families
+    store a layout of their own on disk that transformers converts while loading (Qwen3-MoE: one tensor per expert and
+    projection in the files, one fused [experts, 2F, H] gate_up and [experts, H, F] down tensor in the model), which
+    only transformers' loading knows: the checkpoint is loaded as a model and its state dict taken."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map="cpu").state_dict()
 
 
 def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
