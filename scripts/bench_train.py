@@ -7,10 +7,12 @@ policy-gradient loss over the response tokens, global batch of --samples x --seq
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_train.py --backend megatron --steps 10   # TP=2
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_train.py --backend fsdp --steps 10       # DP=2
     PYTHONPATH=. python3 scripts/bench_train.py --backend megatron --model tiny --steps 3  # CPU smoke test (fp32)
+    PYTHONPATH=. python3 scripts/bench_train.py --backend fsdp --model qwen3_30b_a3b --layers 4   # MoE, fewer layers
 
 Every sample is --seq-tokens long: --prompt-tokens of prompt, the rest response (loss on every response token).
 Tokens/s counts all tokens of the global batch (prompt + response) per optimizer step, averaged over the steps
-after --warmup; peak memory is torch.cuda.max_memory_allocated, the maximum over ranks (one backend per run only).
+after --warmup; MFU is the model FLOPs those tokens take (``flops_per_token``) over --peak-tflops per GPU; peak
+memory is torch.cuda.max_memory_allocated, the maximum over ranks (one backend per run only).
 Megatron runs TP over all ranks (--tp, default: all); FSDP runs DP over all ranks (each gets samples/world rows).
 
 Several backends (comma-separated) live in one process and take turns, one step each per round (the order rotates
@@ -47,10 +49,28 @@ def pg_loss(logp, entropy, mb):
     return loss, {"pg_loss": loss.detach()}
 
 
-def model_config(name: str) -> ModelConfig:
+def model_config(name: str, layers: int | None = None) -> ModelConfig:
+    """The shape of conf/model/<name>.yaml, with ``layers`` decoder layers if given."""
     fields = yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text())
     fields = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__ and k != "path"}
+    if layers is not None:
+        fields["num_layers"] = layers
     return ModelConfig(**fields)
+
+
+def flops_per_token(m: ModelConfig, seq_tokens: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 x forward): 6 x the matmul parameters one token meets (the
+    attention projections, the MLP, for a MoE layer its router and moe_top_k experts only, and the LM head; not the
+    embedding lookup) + 6 L (h d) s for causal attention's scores and weighted sum over s tokens (half of the
+    12 L (h d) s of a full score matrix)."""
+    h, g, d, hidden = m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.hidden_size
+    attention = hidden * (h + 2 * g) * d + h * d * hidden
+    if m.is_moe:
+        mlp = m.moe_top_k * 3 * hidden * m.moe_ffn_hidden_size + hidden * m.num_experts
+    else:
+        mlp = 3 * hidden * m.ffn_hidden_size
+    matmul = m.num_layers * (attention + mlp) + m.vocab_size * hidden
+    return 6 * matmul + 6 * m.num_layers * h * d * seq_tokens
 
 
 def init_process_group() -> tuple[int, int]:
@@ -195,6 +215,9 @@ def main() -> None:
                         help="megatron, fsdp or hf, or several comma-separated (one process, taking turns); "
                              "megatron-fused / fsdp-fused: with train.compile_eager_numerics=false")
     parser.add_argument("--model", default="qwen2_5_0_5b", help="conf/model/<name>.yaml (shape only)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model option's)")
+    parser.add_argument("--peak-tflops", type=float, default=989.4,
+                        help="the GPU's dense bf16 peak for MFU (H100 SXM: 989.4 TFLOP/s)")
     parser.add_argument("--checkpoint-dir", default=None, help="random checkpoint cache (default /tmp/bench_<model>)")
     parser.add_argument("--steps", type=int, default=10, help="measured optimizer steps (per backend)")
     parser.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
@@ -226,8 +249,8 @@ def main() -> None:
     if "hf" in names and world > 1:
         parser.error("--backend hf (the plain transformers baseline) runs on one rank")
     cuda = torch.cuda.is_available()
-    model = model_config(args.model)
-    path = Path(args.checkpoint_dir or f"/tmp/bench_{args.model}")
+    model = model_config(args.model, args.layers)
+    path = Path(args.checkpoint_dir or f"/tmp/bench_{args.model}{'' if args.layers is None else f'_{args.layers}l'}")
     if rank == 0 and not (path / "config.json").exists():
         build_random_checkpoint(model, path, seed=0, dtype=torch.bfloat16 if cuda else torch.float32)
     dist.barrier()
@@ -293,8 +316,10 @@ def main() -> None:
             t = times[name]
             step_s = statistics.mean(t)
             print(f"backend={name} {layouts[name]}")
+            mfu = flops_per_token(model, args.seq_tokens) * step_tokens / step_s / world / (args.peak_tflops * 1e12)
             print(f"  step {step_s * 1000:.1f} ms (median {statistics.median(t) * 1000:.1f}, min {min(t) * 1000:.1f}) "
-                  f"| {step_tokens / step_s:,.0f} tokens/s ({step_tokens / step_s / world:,.0f} per GPU) "
+                  f"| {step_tokens / step_s:,.0f} tokens/s ({step_tokens / step_s / world:,.0f} per GPU, "
+                  f"MFU {mfu:.1%} on the mean) "
                   f"| last pg_loss {float(metrics[name]['pg_loss']):.4f} grad_norm {metrics[name]['grad_norm']:.3f}")
             print("  steps (ms):", " ".join(f"{x * 1000:.1f}" for x in t))
         if len(names) == 1:
