@@ -10,12 +10,14 @@ dir, starts the engine as a subprocess (``--max-batch-size`` = batch), warms it 
 BATCH concurrent requests (sampling at temperature 1, ``ignore_eos`` so every request makes exactly NEW_TOKENS
 tokens) and prints generated tokens per second of wall time, as seen by the client. ``--model NAME`` takes the
 shape from conf/model/NAME.yaml instead (random init; on CUDA the engine runs in bf16, with CUDA graphs unless
-``--eager``). For scale it also times ``model.generate`` on the same batch in this process (no HTTP, no scheduler;
+``--eager``; ``--layers`` takes fewer of its layers). For scale it also times ``model.generate`` on the same batch
+in this process (no HTTP, no scheduler;
 ``--reference none`` skips it).
 """
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -73,7 +75,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 2; with --model: its own)")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--model", default=None, help="conf/model/<name>.yaml shape (overrides the three above)")
@@ -87,8 +89,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_engine_"))
     if args.model:
         shape = model_shape(args.model)
+        if args.layers is not None:
+            shape = dataclasses.replace(shape, num_layers=args.layers)
     else:
-        shape = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, num_kv_heads=2,
+        shape = ModelConfig(num_layers=args.layers or 2, hidden_size=args.hidden, num_attention_heads=4, num_kv_heads=2,
                             ffn_hidden_size=2 * args.hidden, vocab_size=args.vocab, max_position_embeddings=4096,
                             tie_word_embeddings=False)
     model_dir = build_random_checkpoint(shape, work / "model", seed=0)
@@ -108,7 +112,9 @@ def main() -> None:
     finally:
         engine.stop()
     tokens = args.batch * args.new_tokens
-    print(f"model: Qwen2 {shape.num_layers} layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}, "
+    experts = f", {shape.num_experts} experts top-{shape.moe_top_k}" if shape.is_moe else ""
+    print(f"model: {shape.family} {shape.num_layers} layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}"
+          f"{experts}, "
           f"{args.device}{' eager' if args.eager else ''}, engine torch threads {threads}")
     print(f"embedded engine, {args.batch} concurrent requests x {args.new_tokens} new tokens "
           f"({args.prompt_tokens}-token prompts): rounds {', '.join(f'{t:.2f}s' for t in times)}")
