@@ -25,6 +25,8 @@ from slime_hydra.train.megatron.model import Arch
 from tests.train.harness import pg_loss, run_ranks, toy_batch
 
 CFG = dict(lr=1e-2, dtype="fp32", clip_grad=1.0)
+AUX_CFG = dict(CFG, megatron={"moe_aux_loss_coeff": 0.1})
+"""megatron's load-balancing loss on (train.megatron passthrough)."""
 SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, num_experts=4, num_experts_per_tok=2,
              tie_word_embeddings=False)
@@ -120,10 +122,12 @@ def _one_rank(rank, world, path, export):
     out["fsdp_logp"] = fsdp.logprobs(batch, temperature=0.7, with_entropy=True)
     out["fsdp"] = _steps(fsdp, batch)
     out["fsdp_weights"] = {name: t.clone() for name, t in fsdp.iter_full_weights()}
+    aux = MegatronBackend(path, TrainConfig(**AUX_CFG, micro_batch_samples=3), total_steps=1)
+    out["aux_tp1"] = _steps(aux, batch, 1)
     out["refused"] = []
-    for bad in (dict(ep=2), dict(lora=LoraConfig(rank=4))):
+    for bad in (dict(CFG, ep=2), dict(CFG, lora=LoraConfig(rank=4))):
         try:
-            MegatronBackend(path, TrainConfig(**CFG, **bad), total_steps=1)
+            MegatronBackend(path, TrainConfig(**bad), total_steps=1)
             out["refused"].append(None)
         except ValueError as error:
             out["refused"].append(str(error))
@@ -144,6 +148,14 @@ def _two_ranks(rank, world, path, ckpt):
         backend = MegatronBackend(path, TrainConfig(**CFG, **parallel, micro_batch_samples=3), total_steps=3)
         out[name] = _steps(backend, batch)
         parallel_state.destroy_model_parallel()
+    aux = MegatronBackend(path, TrainConfig(**AUX_CFG, tp=2, micro_batch_samples=3), total_steps=1)
+    out["aux_tp2"] = _steps(aux, batch, 1)
+    parallel_state.destroy_model_parallel()
+    try:
+        MegatronBackend(path, TrainConfig(**AUX_CFG, pp=2), total_steps=1)
+        out["aux_pp2"] = None
+    except ValueError as error:
+        out["aux_pp2"] = str(error)
 
     train = TrainConfig(**CFG, ep=2, micro_batch_samples=3)
     ep2 = MegatronBackend(path, train, total_steps=3)
@@ -297,13 +309,46 @@ def test_ep2_logprobs_and_step_equal_tp1(one_rank, two_ranks):
         assert torch.equal(tensor, two_ranks[1]["ep2_weights"][n]), n
 
 
+def _tp2_ep2(rank, world, path):
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    backend = MegatronBackend(path, TrainConfig(**CFG, tp=2, ep=2, micro_batch_samples=3), total_steps=1)
+    rows = toy_batch().select(EP2_ROWS[backend.dp_rank::backend.dp_size])
+    weights = {name: t.clone() for name, t in backend.iter_full_weights()}
+    return (backend.tp_rank, backend.ep_rank), backend.logprobs(rows)[0], _steps(backend, rows, 1), weights
+
+
+@pytest.mark.slow
+def test_tp2_ep2_on_four_ranks_equals_tp1(one_rank, checkpoints):
+    """Experts split over TP inside each EP rank: the same logprobs and step as TP1, every expert exported."""
+    out, _ = one_rank
+    results = run_ranks(4, _tp2_ep2, checkpoints[TRAIN])
+    assert [r[0] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]  # TP fastest, EP carved out of DP
+    for rank, (_, logp, steps, weights) in enumerate(results):
+        want = out["tp1_rows7_logp"][rank // 2::2]
+        torch.testing.assert_close(logp, want[:, :logp.shape[1]], atol=1e-5, rtol=0)
+        assert _close(steps, out["tp1_rows7"], 1e-5), (steps, out["tp1_rows7"])
+        assert set(weights) == set(out["weights"])
+
+
+def test_load_balancing_loss_is_an_option_and_tp2_equals_tp1(one_rank, two_ranks):
+    """train.megatron.moe_aux_loss_coeff: megatron's switch loss per MoE layer adds to the gradients, not to the
+    reported policy loss; each micro-batch's weighted like its main loss, the same at TP2 as at TP1."""
+    out, _ = one_rank
+    (aux_loss, aux_norm), (loss, norm) = out["aux_tp1"][0], out["tp1_micro3"][0]
+    assert abs(aux_loss - loss) <= 1e-6 * abs(loss) and abs(aux_norm - norm) > 1e-4 * norm
+    for rank in range(2):
+        assert _close(two_ranks[rank]["aux_tp2"], out["aux_tp1"], 1e-5), (two_ranks[rank]["aux_tp2"], out["aux_tp1"])
+
+
 def test_ep2_checkpoint_resume_reproduces_the_next_steps_exactly(two_ranks):
     for rank in range(2):
         assert two_ranks[rank]["ep2_resumed"] == two_ranks[rank]["ep2_next"]
 
 
-def test_unsupported_moe_settings_are_refused_with_the_fix(one_rank):
+def test_unsupported_moe_settings_are_refused_with_the_fix(one_rank, two_ranks):
     out, _ = one_rank
     ep, lora = out["refused"]
     assert "train.ep=2 must divide" in ep and "data-parallel size (1" in ep
     assert "train.lora" in lora and "MoE" in lora
+    assert "moe_aux_loss_coeff" in two_ranks[0]["aux_pp2"] and "train.pp=1" in two_ranks[0]["aux_pp2"]

@@ -1,6 +1,6 @@
 """train=megatron: megatron-core GPTModel with tensor (TP), context (CP), pipeline (PP) and expert (EP, MoE models)
-parallelism inside a model replica and data parallelism (DP) across replicas; the backend protocol (train/backend.py), with the same semantics,
-for the policy (role="actor") and PPO's critic (role="critic").
+parallelism inside a model replica and data parallelism (DP) across replicas; the backend protocol
+(train/backend.py), with the same semantics, for the policy (role="actor") and PPO's critic (role="critic").
 
 Mechanisms in their own modules: the pipeline schedule (pp > 1) in pipeline.py, gradient reduction, grad norm and
 clipping in gradients.py, checkpoint files in checkpoint.py.
@@ -66,8 +66,10 @@ micro-batches (``_micro_batches`` adds empty ones to the ranks with fewer). Expe
 expert-data-parallel group, the grad norm sums each EP rank's experts once, the ZeRO optimizer shards over the
 expert-data-parallel peers (the ranks holding the same experts), checkpoints hold one file per (PP stage, TP rank,
 EP rank), and weight export gathers every expert on every rank. Built and tested with TP and DP; ep > 1 with PP or
-CP is refused (``expert_parallel_problems``). The router's load-balancing loss is off unless
-``train.megatron.moe_aux_loss_coeff`` > 0 (not compared with train=fsdp, which trains without it).
+CP is refused (``expert_parallel_problems``). The router's load-balancing loss (megatron's switch loss per MoE layer
+and micro-batch) is off unless ``train.megatron.moe_aux_loss_coeff`` > 0; each micro-batch's is weighted like its
+main loss (units(micro) / units(global) * dp, through megatron's MoEAuxLossAutoScaler), so pp > 1 is refused with
+it; train=fsdp trains without one, so the two are compared with it off.
 
 Not supported: expert parallelism with PP or CP, LoRA on MoE models; ring attention or packed (THD) sequences under
 CP.
@@ -143,6 +145,10 @@ class MegatronBackend(TrainBackend):
         self.arch = Arch.from_hf(self.hf_config,
                                  moe_aux_loss_coeff=float(train.megatron.get("moe_aux_loss_coeff", 0.0)))
         refused = expert_parallel_problems(self.arch, train, world)
+        if self.arch.moe_aux_loss_coeff > 0 and train.pp > 1:
+            refused.append("train.megatron.moe_aux_loss_coeff > 0 with train.pp > 1: the load-balancing loss is "
+                           "weighted per micro-batch in the last stage's loss, which earlier stages do not see; set "
+                           "train.pp=1")
         if refused:
             raise ValueError("train=megatron: " + "; ".join(refused))
         lora = train.lora.enabled and role == "actor"  # PPO's critic trains fully
@@ -375,6 +381,10 @@ class MegatronBackend(TrainBackend):
         step_metrics = StepMetrics()
 
         def loss_of(k, mb, out):
+            if self.arch.moe_aux_loss_coeff > 0:  # weighted as this micro-batch's loss (pp = 1: its backward is next)
+                from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+                MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(weights[k] * self.dp_size, device=self.device))
             if not groups[k]:  # an EP peer's extra micro-batch: its backward runs the collectives, adds nothing
                 return out.float().sum() * 0.0
             logp, entropy = self._head(out, mb, temperature, with_entropy)

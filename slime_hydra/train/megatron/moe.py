@@ -29,12 +29,12 @@ above, for which replicated tokens are exact.
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
-
-from slime_hydra.train.megatron.model import transformer_engine_available
 
 
 class _IntoTP(torch.autograd.Function):
@@ -133,10 +133,18 @@ class Router(TopKRouter):
     """megatron's TopKRouter (softmax scores, top-k, its load-balancing loss) with its own gating: megatron's moves
     a host weight to CUDA on every call, and its gating function (``router_gating_linear``) reads a
     TransformerEngine GEMM that is undefined when TE is not installed (a NameError in 0.16.1). Same logits:
-    input @ weight^T in the router dtype (``moe_router_dtype``, else the input's)."""
+    input @ weight^T in the router dtype (``moe_router_dtype``, else the input's).
+
+    The load-balancing and z losses count tokens over the ranks that hold different ones: megatron's TP x CP (x DP)
+    groups assume sequence parallelism; here TP ranks hold the same tokens, so the groups are CP (and DP x CP)."""
+
+    def __init__(self, config, pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.tp_cp_group = pg_collection.cp
+        self.tp_dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     def gating(self, input):
-        if self.weight.is_cuda and transformer_engine_available():
+        if self.weight.is_cuda and getattr(moe_utils, "te_general_gemm", None) is not None:
             return super().gating(input)
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
