@@ -1,6 +1,6 @@
-"""train=megatron: megatron-core GPTModel with tensor (TP), context (CP) and pipeline (PP) parallelism inside a model
-replica and data parallelism (DP) across replicas; the backend protocol (train/backend.py), with the same semantics,
-for the policy (role="actor") and PPO's critic (role="critic").
+"""train=megatron: megatron-core GPTModel with tensor (TP), context (CP), pipeline (PP) and expert (EP, MoE models)
+parallelism inside a model replica and data parallelism (DP) across replicas; the backend protocol
+(train/backend.py), with the same semantics, for the policy (role="actor") and PPO's critic (role="critic").
 
 Mechanisms in their own modules: the pipeline schedule (pp > 1) in pipeline.py, gradient reduction, grad norm and
 clipping in gradients.py, checkpoint files in checkpoint.py.
@@ -59,8 +59,20 @@ PEFT directory; checkpoints hold the adapters and their optimizer state (the bas
 Refused with LoRA: pp > 1, dropout with tp > 1, sequence parallelism and the rest of
 train/config.megatron_lora_problems (config validation refuses them first). PPO's critic trains fully.
 
-Not supported: expert parallelism (ep > 1: the families converted here are dense; refused at construction, and by
-config validation for dense models, config/rules.py); ring attention or packed (THD) sequences under CP.
+Mixture of experts (Qwen3-MoE; moe.py): megatron's MoELayer in the sparse layers, experts TP-split like dense MLPs.
+Expert parallelism (train.ep > 1) splits each layer's experts over ep data-parallel ranks (EP rank k holds experts
+[k E / ep, (k + 1) E / ep)); the dispatcher all-gathers the EP group's tokens, and EP peers run the same number of
+micro-batches (``_micro_batches`` adds empty ones to the ranks with fewer). Expert gradients are reduced over the
+expert-data-parallel group, the grad norm sums each EP rank's experts once, the ZeRO optimizer shards over the
+expert-data-parallel peers (the ranks holding the same experts), checkpoints hold one file per (PP stage, TP rank,
+EP rank), and weight export gathers every expert on every rank. Built and tested with TP and DP; ep > 1 with PP or
+CP is refused (``expert_parallel_problems``). The router's load-balancing loss (megatron's switch loss per MoE layer
+and micro-batch) is off unless ``train.megatron.moe_aux_loss_coeff`` > 0; each micro-batch's is weighted like its
+main loss (units(micro) / units(global) * dp, through megatron's MoEAuxLossAutoScaler), so pp > 1 is refused with
+it; train=fsdp trains without one, so the two are compared with it off.
+
+Not supported: expert parallelism with PP or CP, LoRA on MoE models; ring attention or packed (THD) sequences under
+CP.
 """
 
 from contextlib import nullcontext
@@ -78,7 +90,8 @@ from slime_hydra.train.config import TrainConfig, megatron_lora_problems
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.megatron import checkpoint
 from slime_hydra.train.megatron.context_parallel import gather_sequence, local_positions, padded_length, split_sequence
-from slime_hydra.train.megatron.convert import TIED_COPY, iter_hf_weights, load_hf_weights, stage_parameters, stage_table
+from slime_hydra.train.megatron.convert import (TIED_COPY, iter_hf_weights, load_hf_weights, stage_parameters,
+                                                stage_table, transformers_names)
 from slime_hydra.train.megatron.gradients import Gradients
 from slime_hydra.train.megatron.lora import MegatronLora, trainable_bias
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
@@ -90,6 +103,24 @@ from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.optim import build_optimizer
 
 
+def expert_parallel_problems(arch: Arch, train: TrainConfig, world: int) -> list[str]:
+    """What train.ep asks that this backend cannot do (empty: fine). Expert parallelism is built and tested with
+    TP and DP (CPU, gloo); with PP or CP it is not built."""
+    if train.ep == 1:
+        return []
+    dp = world // (train.tp * train.cp * train.pp)
+    out = []
+    if not arch.is_moe:
+        out.append(f"train.ep={train.ep} needs a MoE model ({arch.family} is dense); set train.ep=1")
+    elif arch.num_experts % train.ep or dp % train.ep:
+        out.append(f"train.ep={train.ep} must divide the experts per layer ({arch.num_experts}) and the data-parallel "
+                   f"size ({dp}: EP peers are data-parallel ranks)")
+    if train.pp > 1 or train.cp > 1:
+        out.append(f"train.ep={train.ep} with train.pp={train.pp} / train.cp={train.cp}: expert parallelism is built "
+                   "with tensor and data parallelism only; set train.pp=1 and train.cp=1")
+    return out
+
+
 class MegatronBackend(TrainBackend):
     def __init__(self, model_path: str | Path, train: TrainConfig, total_steps: int, loss_agg: str = "token_mean",
                  keep_reference: bool = False, device: str | None = None, role: str = "actor"):
@@ -99,10 +130,6 @@ class MegatronBackend(TrainBackend):
             raise RuntimeError("MegatronBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         if role not in ("actor", "critic"):
             raise ValueError(f"role must be actor or critic, got {role!r}")
-        if train.ep != 1:
-            raise ValueError(f"train=megatron supports tensor, context, pipeline and data parallelism; set "
-                             f"train.ep={train.ep} to 1 (expert parallelism is not implemented: the families "
-                             "converted here are dense)")
         if train.gradient_checkpointing and not torch.cuda.is_available():
             raise ValueError("megatron's activation recompute saves CUDA RNG states: on CPU set "
                              "train.gradient_checkpointing=false")
@@ -115,14 +142,25 @@ class MegatronBackend(TrainBackend):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_path = str(model_path)
         self.hf_config = AutoConfig.from_pretrained(model_path)
-        self.arch = Arch.from_hf(self.hf_config)
+        self.arch = Arch.from_hf(self.hf_config,
+                                 moe_aux_loss_coeff=float(train.megatron.get("moe_aux_loss_coeff", 0.0)))
+        refused = expert_parallel_problems(self.arch, train, world)
+        if self.arch.moe_aux_loss_coeff > 0 and train.pp > 1:
+            refused.append("train.megatron.moe_aux_loss_coeff > 0 with train.pp > 1: the load-balancing loss is "
+                           "weighted per micro-batch in the last stage's loss, which earlier stages do not see; set "
+                           "train.pp=1")
+        if refused:
+            raise ValueError("train=megatron: " + "; ".join(refused))
         lora = train.lora.enabled and role == "actor"  # PPO's critic trains fully
+        if lora and self.arch.is_moe:
+            raise ValueError("train.lora with a MoE model on train=megatron is not built (adapters on the experts); "
+                             "set train.lora.rank=0 or use train=fsdp")
         if lora:
             refused = megatron_lora_problems(train.lora, train.tp, train.pp, self.arch.num_kv_heads,
                                              self.arch.fused_gate_up, self.arch.qkv_bias, train.megatron)
             if refused:
                 raise ValueError("train=megatron with train.lora: " + "; ".join(map(str, refused)))
-        init_parallel(train.tp, train.pp, train.cp)
+        init_parallel(train.tp, train.pp, train.cp, train.ep)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.cp_group = parallel_state.get_context_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -132,6 +170,10 @@ class MegatronBackend(TrainBackend):
         self.cp_rank, self.cp_size = dist.get_rank(self.cp_group), train.cp
         self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
         self.pp_rank, self.pp_size = dist.get_rank(self.pp_group), train.pp
+        self.ep_size = train.ep
+        self.ep_group = parallel_state.get_expert_model_parallel_group() if train.ep > 1 else None
+        self.ep_rank = dist.get_rank(self.ep_group) if train.ep > 1 else 0
+        self.expert_dp_group = parallel_state.get_expert_data_parallel_group() if train.ep > 1 else None
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
 
         # LoRA hooks need the linears' own input: TE's fused norm-linear hides it, so LoRA runs the local spec
@@ -141,7 +183,7 @@ class MegatronBackend(TrainBackend):
             overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
                          **overrides}
         config = transformer_config(self.arch, tp=train.tp, pp=train.pp, cp=train.cp, device=self.device.type,
-                                    use_te=use_te, overrides=overrides)
+                                    use_te=use_te, overrides=overrides, ep=train.ep)
         self.model = build_model(self.arch, config, use_te, self.device, head=self.head)
         load_hf_weights(self.model, model_path, self.arch, head=self.head)
         table = stage_table(self.model, self.arch, self.head)
@@ -156,7 +198,8 @@ class MegatronBackend(TrainBackend):
             shared=(self.params[shared] if train.pp > 1 and self.head == "lm" and self.arch.tie_word_embeddings
                     and (self.first_stage or self.last_stage) else None),
             tp_group=self.tp_group, pp_group=self.pp_group, dp_group=self.dp_group, dp_cp_group=self.dp_cp_group,
-            device=self.device)
+            device=self.device, experts={p.megatron for p in table if p.expert is not None} if train.ep > 1 else set(),
+            ep_group=self.ep_group, expert_dp_group=self.expert_dp_group)
         self.vocab_start = self.tp_rank * (self.arch.vocab_size // self.tp_size)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self._compute = ComputeCopy(self.model, low, trainable) if low != torch.float32 else None
@@ -179,7 +222,8 @@ class MegatronBackend(TrainBackend):
         peak = train.critic_lr if role == "critic" else train.lr
         self.optimizer, self.scheduler = build_optimizer(
             self.model.parameters(), train, total_steps, peak,
-            shard_group=self.dp_cp_group if train.distributed_optimizer else None)
+            shard_group=(self.expert_dp_group if train.ep > 1 else self.dp_cp_group) if train.distributed_optimizer
+            else None)
         self.zero = isinstance(self.optimizer, ZeroRedundancyOptimizer)
         self.step = 0
         self._ref_shards = host_copy(self._reference_shards()) if keep_reference else None
@@ -216,10 +260,18 @@ class MegatronBackend(TrainBackend):
         return self._padded_ids(mb).shape[1] // self.cp_size, mb.size, self.arch.hidden_size
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
-        """Row groups. A token budget counts whole sequences, which the cp ranks share: cp x the budget per GPU."""
+        """Row groups. A token budget counts whole sequences, which the cp ranks share: cp x the budget per GPU.
+        With ep > 1 the EP peers (other DP ranks) run every MoE layer's collectives together, so each runs as many
+        micro-batches as the one with the most: the extra ones are empty groups ([]), run on row 0 with their
+        outputs dropped and a zero loss."""
         budget = self.train_cfg.max_tokens_per_gpu
-        return micro_batches(batch, self.train_cfg.micro_batch_samples,
-                             None if budget is None else budget * self.cp_size)
+        groups = micro_batches(batch, self.train_cfg.micro_batch_samples,
+                               None if budget is None else budget * self.cp_size)
+        if self.ep_size > 1:
+            count = torch.tensor([len(groups)], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ep_group)
+            groups += [[] for _ in range(int(count) - len(groups))]
+        return groups
 
     def _stage(self, host: TrainBatch, mb: TrainBatch, hidden: torch.Tensor | None) -> torch.Tensor:
         """This stage's layers on a micro-batch (``host``: the same on the host): hidden states [L, B, H] out of every
@@ -303,13 +355,14 @@ class MegatronBackend(TrainBackend):
         groups = self._micro_batches(batch)
 
         def collect(k, mb, out):
-            filled.put(groups[k], *self._head(out, mb, temperature, with_entropy))
+            if groups[k]:
+                filled.put(groups[k], *self._head(out, mb, temperature, with_entropy))
 
         reference = policy == "ref"
         with swapped_in(self._reference_shards(), self._ref_shards) if reference else nullcontext(), \
                 self.lora.disabled() if reference and self.lora is not None else nullcontext(), self._computing():
             self.model.eval()
-            self.pipeline.run([batch.select(idx) for idx in groups], collect, backward=False)
+            self.pipeline.run([batch.select(idx or [0]) for idx in groups], collect, backward=False)
         logp, ent = filled.host()
         return self.pipeline.from_last_stage(logp), (self.pipeline.from_last_stage(ent) if with_entropy else None)
 
@@ -322,11 +375,18 @@ class MegatronBackend(TrainBackend):
         groups = self._micro_batches(batch)
         total_units = loss_units(batch.loss_mask, self.loss_agg).to(self.device, torch.float64)
         dist.all_reduce(total_units, group=self.dp_group)
-        hosts = [batch.select(idx) for idx in groups]  # loss weights from host tensors: no sync inside the loop
-        weights = [float(loss_units(h.loss_mask, self.loss_agg)) / float(total_units) for h in hosts]
+        hosts = [batch.select(idx or [0]) for idx in groups]  # loss weights from host tensors: no sync in the loop
+        weights = [float(loss_units(h.loss_mask, self.loss_agg)) / float(total_units) if idx else 0.0
+                   for h, idx in zip(hosts, groups)]
         step_metrics = StepMetrics()
 
         def loss_of(k, mb, out):
+            if self.arch.moe_aux_loss_coeff > 0:  # weighted as this micro-batch's loss (pp = 1: its backward is next)
+                from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+                MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(weights[k] * self.dp_size, device=self.device))
+            if not groups[k]:  # an EP peer's extra micro-batch: its backward runs the collectives, adds nothing
+                return out.float().sum() * 0.0
             logp, entropy = self._head(out, mb, temperature, with_entropy)
             loss, metrics = loss_fn(logp, entropy, mb)
             step_metrics.add(metrics, weights[k])
@@ -357,8 +417,8 @@ class MegatronBackend(TrainBackend):
         time; every rank gets every tensor. Collective: all ranks of this replica (every DP replica yields the same
         tensors)."""
         weights = iter_hf_weights(self.model, self.arch, self.tp_group, self.pp_group if self.pp_size > 1 else None,
-                                  head=self.head)
-        yield from weights if self.lora is None else self.lora.merged(weights)
+                                  head=self.head, ep_group=self.ep_group)
+        yield from transformers_names(weights if self.lora is None else self.lora.merged(weights), self.arch)
 
     def iter_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """train.lora: (adapter key, full A or B) of every adapter, in HF order, gathered over TP. Collective over
@@ -370,7 +430,7 @@ class MegatronBackend(TrainBackend):
     def export_hf(self, out_dir: str | Path) -> None:
         """Write an HF checkpoint (config + safetensors) of the current weights; rank 0 writes. Collective. The
         critic exports as *ForTokenClassification with one label."""
-        if self.dp_rank == 0 and self.cp_rank == 0:  # one replica gathers; the others hold the same weights
+        if self.ep_size > 1 or (self.dp_rank == 0 and self.cp_rank == 0):  # one replica gathers (EP: all)
             state = {name: tensor.cpu() for name, tensor in self.iter_full_weights()}
             if dist.get_rank() == 0:
                 if self.head == "value":

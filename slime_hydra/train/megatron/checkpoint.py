@@ -1,10 +1,11 @@
 """train=megatron's resumable checkpoints (MegatronBackend.save / load).
 
-Per (PP stage, TP rank), the trainable parameters' shards (with train.lora: the adapters and trained biases; the
-frozen base reloads from the model path) and the optimizer's (written by the slot's rank with DP and CP rank 0: CP
-and DP peers hold identical shards), scheduler and step, and every rank's RNG state; resume needs the same world
-size, tp and pp (cp and dp may be traded). To change tp or pp, export_hf and start a new run from the export
-(optimizer state is not carried).
+Per (PP stage, TP rank; and EP rank when ep > 1), the trainable parameters' shards (with train.lora: the adapters
+and trained biases; the frozen base reloads from the model path) and the optimizer's (written by the slot's rank
+with DP and CP rank 0: CP and DP peers hold identical shards; with ep > 1 by its rank of expert-data-parallel rank 0,
+one file per EP rank, as they differ in their experts), scheduler and step, and every rank's RNG state; resume needs
+the same world size, tp, pp and ep (cp and dp may be traded). To change tp, pp or ep, export_hf and start a new run
+from the export (optimizer state is not carried).
 """
 
 import copy
@@ -33,13 +34,14 @@ def save(backend, ckpt_dir: str | Path, background: bool = False) -> None:
     rank, slot_path, ref = dist.get_rank(), ckpt_dir / _slot_file(backend), backend._ref_shards
     if backend.zero:  # every peer's share of the Adam state, gathered on the peer that writes (collective)
         backend.optimizer.consolidate_state_dict(to=0)
-    writes_slot = backend.dp_rank == 0 and backend.cp_rank == 0  # CP and DP peers hold the same shards
+    writes_slot = backend.cp_rank == 0 and (  # CP and DP peers hold the same shards; EP peers differ in experts
+        backend.dp_rank == 0 if backend.ep_size == 1 else dist.get_rank(backend.expert_dp_group) == 0)
     slot = ({"model": {n: p.detach() for n, p in backend._local_shards().items()},
              "optim": backend.optimizer.state_dict()} if writes_slot else {})
     local = {"rng": rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
     meta = copy.deepcopy({"step": backend.step, "scheduler": backend.scheduler.state_dict(),
                           "world": dist.get_world_size(), "tp": backend.tp_size, "pp": backend.pp_size,
-                          "cp": backend.cp_size})
+                          "cp": backend.cp_size, "ep": backend.ep_size})
     if background:
         slot, local = backend.writer.stage((slot, local))
     elif writes_slot:
@@ -65,10 +67,11 @@ def load(backend, ckpt_dir: str | Path) -> None:
 
     ckpt_dir = Path(ckpt_dir)
     meta = json.loads((ckpt_dir / "trainer.json").read_text())
-    saved = (meta["world"], meta["tp"], meta.get("pp", 1))  # cp may differ: CP and DP peers hold the same shards
-    if saved != (dist.get_world_size(), backend.tp_size, backend.pp_size):
-        raise ValueError(f"checkpoint {ckpt_dir} was saved by {saved[0]} ranks at tp={saved[1]} pp={saved[2]}; "
-                         f"this run has {dist.get_world_size()} ranks at tp={backend.tp_size} pp={backend.pp_size}")
+    saved = (meta["world"], meta["tp"], meta.get("pp", 1), meta.get("ep", 1))  # cp may differ (same shards)
+    if saved != (dist.get_world_size(), backend.tp_size, backend.pp_size, backend.ep_size):
+        raise ValueError(f"checkpoint {ckpt_dir} was saved by {saved[0]} ranks at tp={saved[1]} pp={saved[2]} "
+                         f"ep={saved[3]}; this run has {dist.get_world_size()} ranks at tp={backend.tp_size} "
+                         f"pp={backend.pp_size} ep={backend.ep_size}")
     shards = load_rank_file(ckpt_dir / _slot_file(backend), map_location="cpu")
     live = backend._local_shards()
     if set(shards["model"]) != set(live):  # e.g. saved with train.lora and loaded without, or another rank
@@ -87,4 +90,5 @@ def load(backend, ckpt_dir: str | Path) -> None:
 
 
 def _slot_file(backend) -> str:
-    return f"pp{backend.pp_rank}_tp{backend.tp_rank}.pt"
+    expert = f"_ep{backend.ep_rank}" if backend.ep_size > 1 else ""
+    return f"pp{backend.pp_rank}_tp{backend.tp_rank}{expert}.pt"

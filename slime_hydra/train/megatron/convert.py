@@ -23,6 +23,23 @@ HF tensors over the PP group, so every rank sees every HF tensor.
 
 The PPO critic (head="value") has HF *ForTokenClassification names: the same trunk and ``score.{weight, bias}``
 (megatron ``output_layer.{weight, bias}``, replicated), no lm_head.
+
+MoE layers (Qwen3-MoE; HF checkpoint names, one tensor per expert as the safetensors files store them):
+
+    megatron (decoder.layers.{i}.mlp.)               kind        HF (model.layers.{i}.mlp.)
+    router.weight [E, H]                             replicated  gate.weight
+    experts.local_experts.{e}.linear_fc1.weight      gate_up     experts.{e}.gate_proj.weight, .up_proj.weight
+    experts.local_experts.{e}.linear_fc2.weight      row         experts.{e}.down_proj.weight
+    (TransformerEngine's grouped experts: experts.linear_fc1.weight{e}, experts.linear_fc2.weight{e})
+
+The table numbers experts globally, as it numbers layers; under expert parallelism EP rank k holds experts
+[k E / ep, (k + 1) E / ep) as its local experts 0 .. E / ep - 1 (megatron's split), ``stage_parameters`` renames
+them by the layer's ``local_expert_indices``, so a rank loads only its own experts. Export gathers an expert over
+TP on the EP rank holding it and broadcasts it over the EP group. Experts are TP-split like a dense MLP (the
+gate_up and row rules). transformers (5.x) holds a layer's experts as two stacked tensors,
+``experts.gate_up_proj`` [E, 2F, H] (gate rows, then up rows) and ``experts.down_proj`` [E, H, F];
+``transformers_names`` turns the checkpoint's per-expert tensors into those (what train=fsdp's weights are named,
+and what export_hf's save_pretrained turns back into per-expert tensors on disk).
 """
 
 import json
@@ -45,6 +62,8 @@ class Param:
     """HF state-dict names it is made of."""
     kind: str
     """replicated | vocab | row | qkv | gate_up (see the module docstring)."""
+    expert: int | None = None
+    """The global expert number of an MoE expert's parameter (its EP owner: expert // (E / ep))."""
 
 
 def param_map(arch: Arch, te: bool = False, for_export: bool = False, head: str = "lm") -> list[Param]:
@@ -68,12 +87,16 @@ def param_map(arch: Arch, te: bool = False, for_export: bool = False, head: str 
         out.append(Param(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"))
         if arch.sandwich_norm:
             out.append(Param(m + "self_attn_bda.norm.weight", (h + "post_self_attn_layernorm.weight",), "replicated"))
-        out.append(Param(m + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"),
+        moe = i in arch.moe_layers
+        out.append(Param(m + ("mlp.linear_fc1.layer_norm_weight" if te and not moe else "pre_mlp_layernorm.weight"),
                          (h + "post_attention_layernorm.weight",), "replicated"))
-        gate_up = (mlp + "gate_up_proj.weight",) if arch.fused_gate_up else (mlp + "gate_proj.weight",
-                                                                              mlp + "up_proj.weight")
-        out.append(Param(m + "mlp.linear_fc1.weight", gate_up, "gate_up"))
-        out.append(Param(m + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), "row"))
+        if moe:
+            out.extend(_moe_params(arch, m + "mlp.", mlp, te))
+        else:
+            gate_up = (mlp + "gate_up_proj.weight",) if arch.fused_gate_up else (mlp + "gate_proj.weight",
+                                                                                  mlp + "up_proj.weight")
+            out.append(Param(m + "mlp.linear_fc1.weight", gate_up, "gate_up"))
+            out.append(Param(m + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), "row"))
         if arch.sandwich_norm:
             out.append(Param(m + "mlp_bda.norm.weight", (h + "post_mlp_layernorm.weight",), "replicated"))
     out.append(Param("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
@@ -85,6 +108,39 @@ def param_map(arch: Arch, te: bool = False, for_export: bool = False, head: str 
     elif for_export:
         out.append(Param("embedding.word_embeddings.weight", ("lm_head.weight",), "vocab"))
     return out
+
+
+def _moe_params(arch: Arch, m: str, h: str, te: bool) -> list[Param]:
+    """One MoE layer's rows: the router, then each expert's fc1 and fc2 (global expert numbers)."""
+    out = [Param(m + "router.weight", (h + "gate.weight",), "replicated")]
+    for e in range(arch.num_experts):
+        fc1, fc2 = ((f"experts.linear_fc1.weight{e}", f"experts.linear_fc2.weight{e}") if te else
+                    (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.local_experts.{e}.linear_fc2.weight"))
+        expert = f"{h}experts.{e}."
+        out.append(Param(m + fc1, (expert + "gate_proj.weight", expert + "up_proj.weight"), "gate_up", e))
+        out.append(Param(m + fc2, (expert + "down_proj.weight",), "row", e))
+    return out
+
+
+def transformers_names(weights: Iterator[tuple[str, torch.Tensor]], arch: Arch) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) under transformers' in-memory names: a layer's per-expert checkpoint tensors (which arrive
+    together, in expert order) become its stacked ``experts.gate_up_proj`` [E, 2F, H] and ``experts.down_proj``
+    [E, H, F]; every other tensor passes through."""
+    if not arch.is_moe:
+        yield from weights
+        return
+    pending: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, dot, rest = name.partition(".experts.")
+        if not dot or not prefix.startswith("model.layers."):
+            yield name, tensor
+            continue
+        expert, _, which = rest.partition(".")
+        pending.setdefault(which, []).append(tensor)
+        if int(expert) == arch.num_experts - 1 and which == "down_proj.weight":
+            gate, up, down = (pending.pop(k) for k in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+            yield prefix + ".experts.gate_up_proj", torch.stack([torch.cat(gu) for gu in zip(gate, up)])
+            yield prefix + ".experts.down_proj", torch.stack(down)
 
 
 # ---- one tensor: HF -> this rank's shard, all ranks' shards -> HF ---------------------------------------------
@@ -151,15 +207,33 @@ def _uses_te(model) -> bool:
 
 
 def stage_parameters(model) -> dict[str, torch.nn.Parameter]:
-    """This pipeline stage's parameters under their global (PP=1) names: ``decoder.layers.{j}`` of the stage is
-    layer ``layer_number - 1`` of the model."""
+    """This pipeline stage's parameters under their global (PP=1, EP=1) names: ``decoder.layers.{j}`` of the stage
+    is layer ``layer_number - 1`` of the model, and local expert k of an MoE layer is expert
+    ``local_expert_indices[k]``."""
     out = {}
     for name, param in model.named_parameters():
         if name.startswith("decoder.layers."):
             local, rest = name[len("decoder.layers."):].split(".", 1)
-            name = f"decoder.layers.{model.decoder.layers[int(local)].layer_number - 1}.{rest}"
+            layer = model.decoder.layers[int(local)]
+            name = f"decoder.layers.{layer.layer_number - 1}.{_global_expert(rest, layer.mlp)}"
         out[name] = param
     return out
+
+
+def _global_expert(rest: str, mlp) -> str:
+    """A layer-relative parameter name with its local expert number replaced by the global one."""
+    indices = getattr(mlp, "local_expert_indices", None)
+    if indices is None:
+        return rest
+    head, dot, tail = rest.partition("mlp.experts.local_experts.")
+    if dot:  # SequentialMLP: local_experts.{k}.linear_fc1.weight
+        k, _, tail = tail.partition(".")
+        return f"{head}{dot}{indices[int(k)]}.{tail}"
+    head, dot, tail = rest.partition("mlp.experts.linear_fc")
+    if dot:  # TEGroupedMLP: linear_fc1.weight{k}
+        fc, _, k = tail.partition(".weight")
+        return f"{head}{dot}{fc}.weight{indices[int(k)]}"
+    return rest
 
 
 def stage_table(model, arch: Arch, head: str = "lm") -> list[Param]:
@@ -199,16 +273,23 @@ def load_hf_weights(model, path: str | Path, arch: Arch, head: str = "lm") -> No
 
 
 @torch.no_grad()
-def iter_hf_weights(model, arch: Arch, tp_group, pp_group=None, head: str = "lm"
+def iter_hf_weights(model, arch: Arch, tp_group, pp_group=None, head: str = "lm", ep_group=None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) of every HF state-dict entry, in HF order, one megatron parameter at a time: the stage
-    holding it all-gathers its shards over TP and unshards them, then (pp > 1) broadcasts the HF tensors over the
-    PP group. Collective over both groups: every rank of them must iterate to the end; every rank gets every
-    tensor."""
+    """(HF checkpoint name, full tensor) of every HF checkpoint entry, in HF order, one megatron parameter at a
+    time: the stage holding it all-gathers its shards over TP and unshards them, then (pp > 1) broadcasts the HF
+    tensors over the PP group; an MoE expert is gathered on the EP rank holding it and broadcast over ``ep_group``
+    (ep > 1; not combined with pp > 1). Collective over the groups: every rank of them must iterate to the end;
+    every rank gets every tensor."""
     params = stage_parameters(model)
     size = dist.get_world_size(tp_group)
     table = param_map(arch, _uses_te(model), for_export=True, head=head)
     stages = 1 if pp_group is None else dist.get_world_size(pp_group)
+    experts = 1 if ep_group is None else dist.get_world_size(ep_group)
+    if experts > 1 and stages > 1:
+        raise ValueError("exporting weights with both expert and pipeline parallelism is not supported")
+    if experts > 1:
+        yield from _iter_expert_parallel(params, table, arch, tp_group, ep_group)
+        return
     held = [{p.megatron: [t.shape for t in unshard(p, [params[p.megatron].to("meta")] * size, arch)]
              for p in table if p.megatron in params}]
     if stages > 1:  # which stage holds what, and the HF shapes the others allocate to receive
@@ -218,19 +299,43 @@ def iter_hf_weights(model, arch: Arch, tp_group, pp_group=None, head: str = "lm"
     for p in table:
         owner = next(s for s in range(stages) if p.megatron in held[s])
         if owner == me:
-            local = params[p.megatron].detach()
-            if p.kind == "replicated" or size == 1:
-                shards = [local] * size
-            else:
-                shards = [torch.empty_like(local) for _ in range(size)]
-                dist.all_gather(shards, local.contiguous(), group=tp_group)
-            tensors = [t.contiguous() for t in unshard(p, shards, arch)]
+            tensors = _gathered(p, params[p.megatron].detach(), arch, tp_group)
         else:
             device = next(iter(params.values())).device
             tensors = [torch.empty(shape, device=device) for shape in held[owner][p.megatron]]
         if stages > 1:
             for t in tensors:
                 dist.broadcast(t, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+        yield from zip(p.hf, tensors)
+
+
+def _gathered(p: Param, local: torch.Tensor, arch: Arch, tp_group) -> list[torch.Tensor]:
+    """The HF tensors of ``p`` from this TP rank's shard ``local`` (all-gathered over TP unless replicated)."""
+    size = dist.get_world_size(tp_group)
+    if p.kind == "replicated" or size == 1:
+        shards = [local] * size
+    else:
+        shards = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(shards, local.contiguous(), group=tp_group)
+    return [t.contiguous() for t in unshard(p, shards, arch)]
+
+
+def _iter_expert_parallel(params, table: list[Param], arch: Arch, tp_group, ep_group):
+    """iter_hf_weights at ep > 1 (one pipeline stage): every rank holds every non-expert parameter and its own
+    experts; expert e is gathered over TP on EP rank e // (E / ep) and broadcast over the EP group."""
+    per_rank = arch.num_experts // dist.get_world_size(ep_group)
+    me = dist.get_rank(ep_group)
+    device = next(iter(params.values())).device
+    for p in table:
+        owner = me if p.expert is None else p.expert // per_rank
+        if owner == me:
+            tensors = _gathered(p, params[p.megatron].detach(), arch, tp_group)
+        else:  # HF shapes: gate/up [F, H], down [H, F]
+            f, h = arch.moe_ffn_hidden_size, arch.hidden_size
+            tensors = [torch.empty((f, h) if p.kind == "gate_up" else (h, f), device=device) for _ in p.hf]
+        if p.expert is not None:
+            for t in tensors:
+                dist.broadcast(t, src=dist.get_global_rank(ep_group, owner), group=ep_group)
         yield from zip(p.hf, tensors)
 
 

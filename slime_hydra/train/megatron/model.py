@@ -11,6 +11,12 @@ Families and what Megatron expresses them with:
     llama  Llama 3: no biases; llama3 rope scaling via HF's inverse frequencies
     glm4   GLM-4-0414: q/k/v bias, fused gate_up_proj, partial (head_dim/2) interleaved RoPE, and RMSNorms on the
            attention and MLP outputs before each residual add (spec.PostNormBiasDropoutAdd)
+    qwen3_moe  Qwen3-MoE: qwen3's attention; the MLP of every sparse layer is megatron-core's own MoELayer
+           (TopKRouter with softmax scores over num_experts, top-k = num_experts_per_tok, HF's norm_topk_prob as
+           megatron's moe_router_pre_softmax=False; experts as SequentialMLP, or TEGroupedMLP's grouped GEMM with
+           TransformerEngine on a GPU; no shared experts); layers listed in mlp_only_layers or off the
+           decoder_sparse_step keep a dense MLP (intermediate_size). Tokens reach the experts through megatron's
+           allgather dispatcher (moe.py).
 """
 
 import dataclasses
@@ -40,6 +46,9 @@ class Family:
     """HF stores gate and up as one [2F, H] gate_up_proj (GLM-4)."""
     rotary_interleaved: bool = False
     """RoPE rotates pairs (x0, x1), (x2, x3) ... (GLM-4) instead of (x_i, x_{i + d/2})."""
+    moe: bool = False
+    """Sparse layers hold a router and experts (Qwen3-MoE's num_experts, num_experts_per_tok, moe_intermediate_size,
+    norm_topk_prob, decoder_sparse_step, mlp_only_layers)."""
 
 
 FAMILIES = {
@@ -48,6 +57,8 @@ FAMILIES = {
     "llama": Family("transformers.models.llama.modeling_llama.LlamaRotaryEmbedding", qkv_bias="o_too"),
     "glm4": Family("transformers.models.glm4.modeling_glm4.Glm4RotaryEmbedding", qkv_bias="config",
                    sandwich_norm=True, fused_gate_up=True, rotary_interleaved=True),
+    "qwen3_moe": Family("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeRotaryEmbedding",
+                        qkv_bias="o_too", qk_norm=True, moe=True),
 }
 """HF config.model_type -> what its layers look like."""
 
@@ -76,14 +87,32 @@ class Arch:
     attention_dropout: float
     inv_freq: torch.Tensor = field(compare=False, repr=False)
     """[rotary_dim / 2] RoPE inverse frequencies exactly as transformers computes them (rotary_dim <= head_dim)."""
+    num_experts: int = 0
+    """Routed experts per sparse layer (0: a dense model)."""
+    moe_top_k: int = 0
+    """Experts each token is sent to (HF num_experts_per_tok)."""
+    moe_ffn_hidden_size: int = 0
+    """One expert's intermediate size (HF moe_intermediate_size)."""
+    moe_norm_topk: bool = False
+    """The top-k probabilities are renormalised to sum to 1 (HF norm_topk_prob)."""
+    moe_layers: tuple[int, ...] = ()
+    """0-based layer numbers whose MLP is the MoE layer; the others are dense."""
+    moe_aux_loss_coeff: float = 0.0
+    """Megatron's switch load-balancing loss per MoE layer (``moe_aux_loss_coeff``); 0 (default) trains without it,
+    as transformers does unless output_router_logits is set and labels are given (train=fsdp never passes labels)."""
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_kv_heads
 
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
     @classmethod
-    def from_hf(cls, config) -> "Arch":
-        """The architecture of a transformers config; refuses what megatron-core's dense GPT layer cannot express."""
+    def from_hf(cls, config, moe_aux_loss_coeff: float = 0.0) -> "Arch":
+        """The architecture of a transformers config; refuses what megatron-core's GPT layer cannot express.
+        ``moe_aux_loss_coeff``: the router's load-balancing loss coefficient (MoE families; 0 = off)."""
         family_name = config.model_type
         if family_name not in FAMILIES:
             raise ValueError(f"model_type={family_name!r}: train=megatron converts {sorted(FAMILIES)}")
@@ -102,9 +131,12 @@ class Arch:
         rotary = rotary_cls(config)
         if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
             problems.append(f"rope with attention scaling {rotary.attention_scaling} (e.g. yarn)")
+        if family.moe and getattr(config, "shared_expert_intermediate_size", 0):
+            problems.append("shared experts (Qwen3-MoE has none)")
         if problems:
             raise ValueError(f"{family_name} checkpoint not expressible by train=megatron: " + "; ".join(problems))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        moe = _moe_fields(config, moe_aux_loss_coeff) if family.moe else {}
         return cls(
             family=family_name, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
             num_attention_heads=config.num_attention_heads,
@@ -116,7 +148,7 @@ class Arch:
             qk_norm=family.qk_norm, sandwich_norm=family.sandwich_norm, fused_gate_up=family.fused_gate_up,
             rotary_interleaved=family.rotary_interleaved,
             attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
-            inv_freq=rotary.inv_freq.detach().float().cpu().clone(),
+            inv_freq=rotary.inv_freq.detach().float().cpu().clone(), **moe,
         )
 
     @classmethod
@@ -124,6 +156,22 @@ class Arch:
         from slime_hydra.model.hf import hf_config
 
         return cls.from_hf(hf_config(model))
+
+
+def _moe_fields(config, aux_loss_coeff: float) -> dict[str, Any]:
+    """Arch's MoE fields from a Qwen3-MoE config. Layer i is sparse when it is not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0 (transformers' rule)."""
+    experts = int(config.num_experts)
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    layers = tuple(i for i in range(config.num_hidden_layers)
+                   if experts > 0 and i not in dense and (i + 1) % step == 0)
+    if aux_loss_coeff < 0:
+        raise ValueError(f"moe_aux_loss_coeff={aux_loss_coeff} must be >= 0")
+    return dict(num_experts=experts, moe_top_k=int(config.num_experts_per_tok),
+                moe_ffn_hidden_size=int(config.moe_intermediate_size),
+                moe_norm_topk=bool(getattr(config, "norm_topk_prob", False)), moe_layers=layers,
+                moe_aux_loss_coeff=float(aux_loss_coeff))
 
 
 def _import(dotted: str):
@@ -138,17 +186,19 @@ def transformer_engine_available() -> bool:
 
 def init_parallel(tp: int, pp: int = 1, cp: int = 1, ep: int = 1, seed: int = 0) -> None:
     """Megatron's process groups over the already-initialised default group (its rank order "tp-cp-ep-dp-pp": TP
-    fastest, then CP, DP, PP slowest), and its RNG tracker. On CPU the tracker is the inference one (no CUDA RNG
-    states; valid because dropout is 0)."""
+    fastest, then CP, DP, PP slowest; the EP group is carved out of DP: ranks tp_rank + tp * (k + ep * j) for
+    k < ep share a data-parallel group's experts), and its RNG tracker. On CPU the tracker is the inference one (no
+    CUDA RNG states; valid because dropout is 0). Experts are split over TP like dense MLPs (expert TP = tp)."""
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_context_parallel_world_size())
-        if have != (tp, pp, cp):
-            raise RuntimeError(f"megatron parallel state already initialised with tp, pp, cp = {have}, asked "
-                               f"{(tp, pp, cp)}")
+                parallel_state.get_context_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        if have != (tp, pp, cp, ep):
+            raise RuntimeError(f"megatron parallel state already initialised with tp, pp, cp, ep = {have}, asked "
+                               f"{(tp, pp, cp, ep)}")
         return
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              context_parallel_size=cp, expert_model_parallel_size=ep,
@@ -157,9 +207,15 @@ def init_parallel(tp: int, pp: int = 1, cp: int = 1, ep: int = 1, seed: int = 0)
 
 
 def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "cpu",
-                       use_te: bool = False, overrides: dict[str, Any] | None = None):
+                       use_te: bool = False, overrides: dict[str, Any] | None = None, ep: int = 1):
     """megatron's TransformerConfig for this architecture. Parameters are fp32 (the optimizer's masters); bf16
-    compute runs on precision.ComputeCopy's bf16 copies of them (backend.py). ``overrides`` are TransformerConfig fields (train.megatron passthrough)."""
+    compute runs on precision.ComputeCopy's bf16 copies of them (backend.py). ``overrides`` are TransformerConfig
+    fields (train.megatron passthrough).
+
+    MoE (arch.is_moe): softmax router scores; norm_topk_prob=True is megatron's moe_router_pre_softmax=False (top-k
+    of the logits, softmax over those k: the renormalised probabilities), False is pre-softmax (softmax over all
+    experts, then top-k); the allgather token dispatcher (moe.py says why); grouped GEMM with TransformerEngine
+    only; the load-balancing loss only when arch.moe_aux_loss_coeff > 0."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(
@@ -174,6 +230,15 @@ def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
     )
+    if arch.is_moe:
+        kwargs.update(
+            num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_top_k,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size, moe_router_score_function="softmax",
+            moe_router_pre_softmax=not arch.moe_norm_topk, moe_token_dispatcher_type="allgather",
+            moe_grouped_gemm=use_te, expert_model_parallel_size=ep, moe_permute_fusion=False,
+            moe_router_load_balancing_type="aux_loss" if arch.moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
+        )
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(overrides or {}) - fields)
     if unknown:

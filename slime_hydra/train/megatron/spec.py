@@ -10,6 +10,10 @@ Which spec:
   and MLP down projections) passing its TP group, so torch.compile takes a whole layer as one graph. With cp > 1
   attention gathers K/V over the CP group (context_parallel.py: megatron's local attention asserts cp=1, its CP
   lives in TransformerEngine's).
+- MoE layers (Qwen3-MoE's sparse layers, ``Arch.moe_layers``): the same attention, and megatron's own MoE layer
+  spec (``get_gpt_layer_local_spec(num_experts=...)``: SequentialMLP experts; with TransformerEngine its spec with
+  grouped GEMM experts) with ``moe.MoE`` and ``moe.Router`` in place of MoELayer and TopKRouter and no shared
+  experts; the other layers keep the dense MLP.
 - GLM-4 adds norms on the attention and MLP outputs before each residual add. The layer applies
   ``bda(training, fused)(sublayer_out_with_bias, residual, dropout_p)`` exactly there, so a bias-dropout-add
   module that norms first (``PostNormBiasDropoutAdd``) expresses them in the spec, for the local and TE specs
@@ -31,6 +35,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from slime_hydra.train.megatron.context_parallel import gather_sequence, split_sequence
+from slime_hydra.train.megatron.moe import MoE, Router
 
 
 @torch.library.custom_op("slime_hydra::rope_table", mutates_args=())
@@ -247,20 +252,29 @@ class PostNormBiasDropoutAdd(torch.nn.Module):
         return apply
 
 
-def layer_spec(arch, config, use_te: bool) -> ModuleSpec:
-    """One decoder layer's spec for this architecture (see the module docstring for the choice)."""
+def layer_spec(arch, config, use_te: bool, moe: bool = False) -> ModuleSpec:
+    """One decoder layer's spec for this architecture (see the module docstring for the choice); ``moe``: its MLP
+    is megatron's MoE layer (moe.MoE: its router and experts, this backend's token movement), experts as
+    SequentialMLP, or TEGroupedMLP (grouped GEMM) with TransformerEngine."""
+    experts = dict(num_experts=arch.num_experts, moe_grouped_gemm=use_te) if moe else {}
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm, **experts)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm", **experts)
         spec.submodules.self_attention.module = SelfAttention
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         spec.submodules.self_attention.submodules.linear_proj = RowParallelLinear
-        spec.submodules.mlp.submodules.linear_fc2 = RowParallelLinear
+        if not moe:
+            spec.submodules.mlp.submodules.linear_fc2 = RowParallelLinear
     # (both functions build a fresh spec on every call: editing it in place is safe)
-    spec.submodules.mlp.params = {**spec.submodules.mlp.params, "ffn_hidden_size": config.ffn_hidden_size}
+    if moe:
+        spec.submodules.mlp.module = MoE
+        spec.submodules.mlp.submodules.router = Router
+        spec.submodules.mlp.submodules.shared_experts = None  # Qwen3-MoE has none
+    else:
+        spec.submodules.mlp.params = {**spec.submodules.mlp.params, "ffn_hidden_size": config.ffn_hidden_size}
     if arch.sandwich_norm:
         post_norm = ModuleSpec(module=PostNormBiasDropoutAdd,
                                params={"hidden_size": config.hidden_size, "eps": config.layernorm_epsilon})
@@ -270,16 +284,20 @@ def layer_spec(arch, config, use_te: bool) -> ModuleSpec:
 
 
 def block_spec(arch, config, use_te: bool) -> TransformerBlockSubmodules:
-    """This pipeline stage's decoder layers (megatron's split of ``num_layers`` over the PP ranks) plus the final
-    norm (explicit, so it is torch's RMSNorm or TENorm, never apex's)."""
+    """This pipeline stage's decoder layers (megatron's split of ``num_layers`` over the PP ranks; each layer's
+    MLP dense or MoE by its global number, arch.moe_layers) plus the final norm (explicit, so it is torch's RMSNorm
+    or TENorm, never apex's)."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
         final_norm = WrappedTorchNorm
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(arch, config, use_te)] * get_num_layers_to_build(config),
-                                      layer_norm=final_norm)
+    offset = get_transformer_layer_offset(config)
+    layers = [layer_spec(arch, config, use_te, moe=offset + i in arch.moe_layers)
+              for i in range(get_num_layers_to_build(config))]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
 
 
 class ValueHead(torch.nn.Module):

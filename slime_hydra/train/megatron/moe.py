@@ -1,0 +1,186 @@
+"""megatron-core's MoE layer (router, token permutation, experts) inside this backend's parallelism, on CPU and GPU.
+
+The layer is megatron's ``MoELayer`` with its ``TopKRouter`` and experts (``SequentialMLP``; TEGroupedMLP with
+TransformerEngine). ``Router`` only computes the gating logits where the weight lives (megatron's gating moves a
+host weight to CUDA, and its gating function needs TransformerEngine). Two things around the layer are this
+backend's:
+
+- *Token movement* (``TokenGather``: megatron's allgather dispatcher with its own collectives). Megatron's
+  dispatchers assume sequence parallelism (each TP rank holds s / tp tokens) and allocate their gather buffers with
+  ``torch.cuda.current_device()``. Here hidden states are replicated over TP (no sequence parallelism, as in the
+  dense layers), so the experts are TP-split like a dense MLP: each TP rank runs its F / tp slice of every expert
+  on all tokens (fc1 column-parallel, fc2 row-parallel). The tokens and routing probabilities enter through an
+  identity whose backward all-reduces their partial gradients over TP, and the experts' partial outputs are summed
+  over TP: megatron's copy-to / reduce-from-TP regions, written here because megatron's all-reduce drops its result
+  for a non-contiguous gradient, which the probabilities' is. Over EP, every rank all-gathers the tokens,
+  probabilities and routing map of its EP group, runs its local experts on the tokens routed to them, and
+  reduce-scatters the outputs back to the tokens' owners (backward: the reverse collectives). The router runs on
+  every TP rank on the same tokens, so its gradient is complete there (no TP reduction).
+- *Equal shapes over EP* (``MoE.forward``). EP peers are different data-parallel ranks, whose micro-batches differ
+  in shape; the tokens are flattened to [n, 1, H] and zero-padded to the EP group's largest n (one all-reduce of a
+  scalar per MoE layer call). A zero token's expert outputs are zero and are cut off, so padding changes nothing
+  but the load-balancing loss (when on) and the work. EP peers must also run the same number of micro-batches
+  (backend.py adds empty ones).
+
+megatron's MoELayer.forward refuses to train with TP > 1 without sequence parallelism (its dispatchers would count
+each token tp times); ``MoE.forward`` calls the same steps (route, dispatch, experts, combine) with the collectives
+above, for which replicated tokens are exact.
+"""
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+
+class _IntoTP(torch.autograd.Function):
+    """Identity; backward: the gradient summed over ``group`` (megatron's copy-to-TP region, whose backward
+    all-reduces a contiguous copy of a non-contiguous gradient and returns the gradient unreduced: the routing
+    probabilities' gradient arrives transposed)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    """Sum over ``group``; backward: identity (megatron's reduce-from-TP region, on a contiguous copy)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather along dim 0 over ``group`` (rank order); backward: reduce-scatter of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Reduce-scatter along dim 0 over ``group`` (sum, rank order); backward: all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = grad.new_empty((dist.get_world_size(ctx.group) * grad.shape[0], *grad.shape[1:]))
+        dist.all_gather_into_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+class TokenGather(MoEAllGatherTokenDispatcher):
+    """megatron's allgather dispatcher (local routing map, permutation, unpermutation) with the collectives of the
+    module docstring: tokens replicated over (expert) TP, gathered and scattered over EP."""
+
+    def token_dispatch(self, hidden_states, probs):
+        if self.tp_size > 1:
+            hidden_states = _IntoTP.apply(hidden_states, self.tp_group)
+            probs = _IntoTP.apply(probs, self.tp_group)
+        if self.ep_size > 1:
+            with torch.no_grad():
+                self.routing_map = _GatherTokens.apply(self.routing_map, self.ep_group)
+            probs = _GatherTokens.apply(probs, self.ep_group)
+            hidden_states = _GatherTokens.apply(hidden_states, self.ep_group)
+        return hidden_states, probs
+
+    def token_combine(self, hidden_states):
+        dtype = hidden_states.dtype  # sums in the probabilities' dtype, as megatron's combine
+        hidden_states = hidden_states.to(self.local_probs.dtype)
+        if self.ep_size > 1:
+            hidden_states = _ScatterTokens.apply(hidden_states, self.ep_group)
+        if self.tp_size > 1:
+            hidden_states = _SumOverTP.apply(hidden_states, self.tp_group)
+        return hidden_states.to(dtype)
+
+
+class Router(TopKRouter):
+    """megatron's TopKRouter (softmax scores, top-k, its load-balancing loss) with its own gating: megatron's moves
+    a host weight to CUDA on every call, and its gating function (``router_gating_linear``) reads a
+    TransformerEngine GEMM that is undefined when TE is not installed (a NameError in 0.16.1). Same logits:
+    input @ weight^T in the router dtype (``moe_router_dtype``, else the input's).
+
+    The load-balancing and z losses count tokens over the ranks that hold different ones: megatron's TP x CP (x DP)
+    groups assume sequence parallelism; here TP ranks hold the same tokens, so the groups are CP (and DP x CP)."""
+
+    def __init__(self, config, pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.tp_cp_group = pg_collection.cp
+        self.tp_dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+    def gating(self, input):
+        if self.weight.is_cuda and getattr(moe_utils, "te_general_gemm", None) is not None:
+            return super().gating(input)
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+
+class MoE(MoELayer):
+    """megatron's MoELayer on TP-replicated [s, b, H] hidden states, with ``TokenGather`` as its dispatcher and the
+    token count padded to be equal over the EP group (module docstring). Returns (output [s, b, H], None)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+        if pg_collection is None:  # megatron's layers build the MoE layer without one: the global groups
+            pg_collection = get_default_pg_collection()
+        super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        self.token_dispatcher = TokenGather(self.num_local_experts, self.local_expert_indices, config=self.config,
+                                            pg_collection=pg_collection)
+
+    def _common_token_count(self, n: int, device) -> int:
+        if self.ep_group.size() == 1:
+            return n
+        count = torch.tensor([n], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ep_group)
+        return int(count)
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        if intermediate_tensors is not None or padding_mask is not None:
+            raise ValueError("train=megatron's MoE layer takes whole [s, b, H] hidden states without a padding mask")
+        s, b, h = hidden_states.shape
+        n = s * b
+        tokens = hidden_states.reshape(n, 1, h)
+        padded = self._common_token_count(n, hidden_states.device)
+        if padded > n:
+            tokens = torch.nn.functional.pad(tokens, (0, 0, 0, 0, 0, padded - n))
+        probs, routing_map = self.route(tokens)
+        tokens, probs = self.preprocess(tokens, probs, routing_map)
+        tokens, probs = self.dispatch(tokens, probs)
+        out, bias = self.routed_experts_compute(tokens, probs)
+        out = self.postprocess(self.combine(out), None)
+        return out[:n].reshape(s, b, h), bias

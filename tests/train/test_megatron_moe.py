@@ -1,0 +1,354 @@
+"""train=megatron with Qwen3-MoE (megatron-core's MoELayer: TopKRouter, SequentialMLP experts) on CPU with gloo.
+
+Tiny random Qwen3-MoE checkpoints (transformers' Qwen3MoeConfig, fp32): logits equal transformers' at TP1, TP2
+and EP2 (dense and sparse layers mixed; norm_topk_prob on and off); weights round-trip HF -> megatron -> HF bit for
+bit at each; a training step's loss and grad norm equal train=fsdp's (transformers' modeling) and TP1's at TP2,
+PP2, CP2 and EP2 (the latter with DP ranks of unequal micro-batch counts); export_hf and an EP2 checkpoint resume.
+The router's load-balancing loss is off everywhere (coefficient 0, the default): transformers adds its own only with
+output_router_logits and labels, which train=fsdp never passes.
+
+Spawned processes cost ~10 s each on the 2-core machine, so a few module-scoped runs compute everything and the
+tests assert on their results. Functions run on spawned ranks are module-level (pickled by name).
+"""
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig
+
+from slime_hydra.train.config import LoraConfig, TrainConfig
+from slime_hydra.train.megatron.convert import hf_to_megatron, megatron_to_hf, param_map
+from slime_hydra.train.megatron.model import Arch
+from tests.train.harness import pg_loss, run_ranks, toy_batch
+
+CFG = dict(lr=1e-2, dtype="fp32", clip_grad=1.0)
+AUX_CFG = dict(CFG, megatron={"moe_aux_loss_coeff": 0.1})
+"""megatron's load-balancing loss on (train.megatron passthrough)."""
+SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=128, num_experts=4, num_experts_per_tok=2,
+             tie_word_embeddings=False)
+CHECKPOINTS = {
+    # layer 1 dense (mlp_only_layers), top-k renormalised: the training checkpoint
+    "mixed": dict(num_hidden_layers=4, mlp_only_layers=[1], norm_topk_prob=True),
+    # every second layer sparse (decoder_sparse_step), raw softmax probabilities of the top k
+    "sparse_step": dict(num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False),
+}
+TRAIN = "mixed"
+EP2_ROWS = list(range(7))
+"""The EP2 step's batch: 7 rows, so DP rank 0 has 4 (2 micro-batches of <= 3) and rank 1 has 3 (one): the EP peers
+must still run the same number of micro-batches."""
+
+
+def moe_checkpoint(name: str) -> Path:
+    """A random Qwen3-MoE checkpoint (safetensors, per-expert tensors as on the Hub). Weights ~ N(0, 0.2) and norms
+    ~ U(0.8, 1.2), so router logits are far from ties (transformers' init of 0.02 leaves top-k near-random)."""
+    out = Path(tempfile.mkdtemp(prefix=f"tiny_qwen3_moe_{name}_"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**SHAPE, **CHECKPOINTS[name]), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    return {name: moe_checkpoint(name) for name in CHECKPOINTS}
+
+
+# ---- ranks' work --------------------------------------------------------------------------------------------
+def _logits_and_weights(path, tp, ep):
+    """Full-vocabulary logits of a fixed batch and the HF checkpoint tensors exported from a fresh GPTModel."""
+    from megatron.core import parallel_state
+
+    from slime_hydra.train.megatron.convert import iter_hf_weights, load_hf_weights
+    from slime_hydra.train.megatron.model import build_model, transformer_config
+
+    arch = Arch.from_hf(AutoConfig.from_pretrained(path))
+    model = build_model(arch, transformer_config(arch, tp=tp, ep=ep))
+    load_hf_weights(model, path, arch)
+    model.eval()
+    ids = torch.randint(0, SHAPE["vocab_size"], (3, 13), generator=torch.Generator().manual_seed(1))
+    group = parallel_state.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        local = model(ids, torch.arange(13).expand_as(ids), None)
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=group)
+    ep_group = parallel_state.get_expert_model_parallel_group() if ep > 1 else None
+    weights = {name: t.clone() for name, t in iter_hf_weights(model, arch, group, ep_group=ep_group)}
+    experts = sorted({int(n.split("local_experts.")[1].split(".")[0])
+                      for n, _ in model.named_parameters() if "local_experts." in n})
+    indices = model.decoder.layers[arch.moe_layers[0]].mlp.local_expert_indices
+    return ids, torch.cat(parts, dim=-1), weights, experts, indices
+
+
+def _convert(rank, world, paths):
+    from megatron.core import parallel_state
+
+    from slime_hydra.train.megatron.model import init_parallel
+
+    out = {}
+    for tp, ep in ((2, 1), (1, 2), (1, 1)):  # (1, 1) on 2 ranks: two data-parallel replicas
+        init_parallel(tp, ep=ep)
+        out[tp, ep] = {name: _logits_and_weights(path, tp, ep) for name, path in paths.items()}
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def _steps(backend, batch, n=3):
+    return [(float(m["pg_loss"]), m["grad_norm"]) for m in (backend.train_step(batch, pg_loss) for _ in range(n))]
+
+
+def _one_rank(rank, world, path, export):
+    from slime_hydra.train.fsdp import FSDPBackend
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    batch, out = toy_batch(), {}
+    megatron = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=8), total_steps=3)
+    out["logp"] = megatron.logprobs(batch, temperature=0.7, with_entropy=True)
+    out["tp1"] = _steps(megatron, batch)
+    out["weights"] = {name: t.clone() for name, t in megatron.iter_full_weights()}
+    megatron.export_hf(export)
+    split = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=3), total_steps=3)
+    out["tp1_micro3"] = _steps(split, batch)
+    seven = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=3), total_steps=1)
+    out["tp1_rows7_logp"] = seven.logprobs(batch.select(EP2_ROWS))[0]
+    out["tp1_rows7"] = _steps(seven, batch.select(EP2_ROWS), 1)
+    fsdp = FSDPBackend(path, TrainConfig(**CFG, micro_batch_samples=8), total_steps=3)
+    out["fsdp_logp"] = fsdp.logprobs(batch, temperature=0.7, with_entropy=True)
+    out["fsdp"] = _steps(fsdp, batch)
+    out["fsdp_weights"] = {name: t.clone() for name, t in fsdp.iter_full_weights()}
+    aux = MegatronBackend(path, TrainConfig(**AUX_CFG, micro_batch_samples=3), total_steps=1)
+    out["aux_tp1"] = _steps(aux, batch, 1)
+    out["refused"] = []
+    for bad in (dict(CFG, ep=2), dict(CFG, lora=LoraConfig(rank=4))):
+        try:
+            MegatronBackend(path, TrainConfig(**bad), total_steps=1)
+            out["refused"].append(None)
+        except ValueError as error:
+            out["refused"].append(str(error))
+    return out
+
+
+def _two_ranks(rank, world, path, ckpt):
+    from megatron.core import parallel_state
+
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    out, batch = {}, toy_batch()
+    tp2 = MegatronBackend(path, TrainConfig(**CFG, tp=2, micro_batch_samples=3), total_steps=3)
+    out["tp2_logp"] = tp2.logprobs(batch, temperature=0.7, with_entropy=True)
+    out["tp2"] = _steps(tp2, batch)
+    parallel_state.destroy_model_parallel()
+    for name, parallel in (("pp2", dict(pp=2)), ("cp2", dict(cp=2))):
+        backend = MegatronBackend(path, TrainConfig(**CFG, **parallel, micro_batch_samples=3), total_steps=3)
+        out[name] = _steps(backend, batch)
+        parallel_state.destroy_model_parallel()
+    aux = MegatronBackend(path, TrainConfig(**AUX_CFG, tp=2, micro_batch_samples=3), total_steps=1)
+    out["aux_tp2"] = _steps(aux, batch, 1)
+    parallel_state.destroy_model_parallel()
+    try:
+        MegatronBackend(path, TrainConfig(**AUX_CFG, pp=2), total_steps=1)
+        out["aux_pp2"] = None
+    except ValueError as error:
+        out["aux_pp2"] = str(error)
+
+    train = TrainConfig(**CFG, ep=2, micro_batch_samples=3)
+    ep2 = MegatronBackend(path, train, total_steps=3)
+    rows = batch.select(EP2_ROWS[ep2.dp_rank::ep2.dp_size])
+    out["ep2_ranks"] = ep2.ep_rank, ep2.dp_rank, ep2.dp_size, len(ep2._micro_batches(rows))
+    out["ep2_logp"] = ep2.logprobs(rows)[0]
+    out["ep2"] = _steps(ep2, rows, 1)
+    ep2.save(ckpt)
+    out["ep2_next"] = _steps(ep2, rows, 2)
+    out["ep2_weights"] = {name: t.clone() for name, t in ep2.iter_full_weights()}
+    resumed = MegatronBackend(path, train, total_steps=3)
+    resumed.load(ckpt)
+    out["ep2_resumed"] = _steps(resumed, rows, 2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(checkpoints):
+    return run_ranks(2, _convert, checkpoints)
+
+
+@pytest.fixture(scope="module")
+def one_rank(checkpoints, tmp_path_factory):
+    export = tmp_path_factory.mktemp("moe_export")
+    return run_ranks(1, _one_rank, checkpoints[TRAIN], export)[0], export
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory):
+    return run_ranks(2, _two_ranks, checkpoints[TRAIN], tmp_path_factory.mktemp("moe_ckpt"))
+
+
+def _close(got, want, rel):
+    """[(loss, grad_norm)] per step, each within rel (relative) of the reference."""
+    return len(got) == len(want) and all(abs(a - b) <= rel * abs(b) for g, w in zip(got, want) for a, b in zip(g, w))
+
+
+def _max_rel(got, want):
+    return max(abs(a - b) / abs(b) for g, w in zip(got, want) for a, b in zip(g, w))
+
+
+# ---- architecture and conversion ----------------------------------------------------------------------------
+def test_arch_reads_the_moe_fields_of_the_hf_config(checkpoints):
+    mixed = Arch.from_hf(AutoConfig.from_pretrained(checkpoints["mixed"]))
+    assert (mixed.num_experts, mixed.moe_top_k, mixed.moe_ffn_hidden_size, mixed.ffn_hidden_size) == (4, 2, 32, 96)
+    assert mixed.moe_layers == (0, 2, 3) and mixed.moe_norm_topk and mixed.qk_norm and mixed.moe_aux_loss_coeff == 0
+    sparse = Arch.from_hf(AutoConfig.from_pretrained(checkpoints["sparse_step"]))
+    assert sparse.moe_layers == (1, 3) and not sparse.moe_norm_topk  # (i + 1) % decoder_sparse_step == 0
+    names = {p.megatron: p for p in param_map(mixed)}
+    assert names["decoder.layers.0.mlp.router.weight"].hf == ("model.layers.0.mlp.gate.weight",)
+    fc1 = names["decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert fc1.hf == ("model.layers.2.mlp.experts.3.gate_proj.weight", "model.layers.2.mlp.experts.3.up_proj.weight")
+    assert (fc1.kind, fc1.expert) == ("gate_up", 3)
+    assert names["decoder.layers.1.mlp.linear_fc1.weight"].kind == "gate_up"  # the dense layer
+
+
+def test_conversion_shards_experts_like_the_dense_mlp_for_any_tp(checkpoints):
+    path = checkpoints[TRAIN]
+    arch = Arch.from_hf(AutoConfig.from_pretrained(path))
+    hf = load_file(path / "model.safetensors")
+    for tp in (1, 2, 4):
+        per_rank = [hf_to_megatron(hf, arch, r, tp) for r in range(tp)]
+        fc1 = per_rank[0]["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"]
+        assert fc1.shape == (2 * 32 // tp, 64)  # [gate rows of r; up rows of r]
+        back = megatron_to_hf(per_rank, arch)
+        assert set(back) == set(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "ep2"])
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_megatron_moe_logits_equal_hf_logits(converted, checkpoints, name, tp, ep):
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32)
+    for rank in range(2):
+        ids, logits, _, experts, indices = converted[rank][tp, ep][name]
+        with torch.no_grad():
+            expected = hf(ids).logits
+        assert (logits - expected).abs().max() < 1e-4, (name, tp, ep, (logits - expected).abs().max())
+        if ep == 2:  # expert e on EP rank e // (E / ep): each rank holds two, numbered 0, 1 locally
+            assert experts == [0, 1] and indices == [2 * rank, 2 * rank + 1]
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "ep2"])
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_weights_round_trip_hf_megatron_hf_bit_for_bit(converted, checkpoints, name, tp, ep):
+    """Every rank gets every checkpoint tensor (EP2: the other rank's experts by broadcast), equal to the file's."""
+    original = load_file(checkpoints[name] / "model.safetensors")
+    for rank in range(2):
+        weights = converted[rank][tp, ep][name][2]
+        assert set(weights) == set(original)
+        for n, tensor in original.items():
+            assert torch.equal(weights[n], tensor), (name, tp, ep, n)
+
+
+# ---- the backend --------------------------------------------------------------------------------------------
+def test_megatron_moe_step_agrees_with_fsdp(one_rank):
+    """The same weights and batch, aux loss off on both: the first step's loss and grad norm within 1e-5
+    relative; three AdamW steps within 1%; logprobs and entropy (temperature 0.7) within 1e-5."""
+    out, _ = one_rank
+    assert _close(out["tp1"][:1], out["fsdp"][:1], 1e-5), (out["tp1"], out["fsdp"])
+    assert _close(out["tp1"], out["fsdp"], 1e-2), (out["tp1"], out["fsdp"], _max_rel(out["tp1"], out["fsdp"]))
+    for mine, theirs in zip(out["logp"], out["fsdp_logp"]):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    assert out["tp1"][2][0] < out["tp1"][0][0]  # the policy-gradient loss falls
+
+
+def test_full_weights_are_named_as_transformers_and_export_reloads(one_rank, checkpoints):
+    """iter_full_weights gives transformers' in-memory names (stacked experts), as train=fsdp does; export_hf
+    writes a checkpoint transformers loads to the same tensors, per-expert on disk like the original."""
+    out, export = one_rank
+    weights = out["weights"]
+    assert set(weights) == set(out["fsdp_weights"])
+    assert weights["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
+    assert set(exported) == set(weights)
+    for n, tensor in weights.items():
+        assert torch.equal(exported[n], tensor), n
+    assert set(load_file(export / "model.safetensors")) == set(load_file(checkpoints[TRAIN] / "model.safetensors"))
+    original = AutoModelForCausalLM.from_pretrained(checkpoints[TRAIN], dtype=torch.float32).state_dict()
+    assert not torch.equal(original["model.layers.0.mlp.experts.down_proj"],
+                           weights["model.layers.0.mlp.experts.down_proj"])  # trained
+
+
+def test_micro_batches_tp2_pp2_and_cp2_equal_tp1(one_rank, two_ranks):
+    """Three steps on the same batch: the first step's loss and grad norm within 1e-5 relative, all three within
+    1e-4 (micro-batches of 3 rows; TP2 on 8 rows at once; PP2 (layers 0-1 | 2-3) and CP2 with micro-batches of 3)."""
+    out, _ = one_rank
+    tp1 = out["tp1"]
+    runs = [("micro3", out["tp1_micro3"])] + [(f"{name} rank {r}", two_ranks[r][name])
+                                             for name in ("tp2", "pp2", "cp2") for r in range(2)]
+    for name, got in runs:
+        assert _close(got[:1], tp1[:1], 1e-5), (name, got, tp1)
+        assert _close(got, tp1, 1e-4), (name, got, tp1)
+    for rank in range(2):
+        for mine, want in zip(two_ranks[rank]["tp2_logp"], out["logp"]):
+            torch.testing.assert_close(mine, want, atol=1e-5, rtol=0)
+
+
+def test_ep2_logprobs_and_step_equal_tp1(one_rank, two_ranks):
+    """EP2 on two ranks (DP2: each its rows; experts 0-1 on rank 0, 2-3 on rank 1; rank 1 runs an empty
+    micro-batch to match rank 0's two): logprobs of each rank's rows and the global step equal TP1's."""
+    out, _ = one_rank
+    for rank in range(2):
+        ep_rank, dp_rank, dp_size, micro = two_ranks[rank]["ep2_ranks"]
+        assert (ep_rank, dp_rank, dp_size, micro) == (rank, rank, 2, 2)
+        logp, want = two_ranks[rank]["ep2_logp"], out["tp1_rows7_logp"][rank::2]  # [rows, T of its own rows]
+        torch.testing.assert_close(logp, want[:, :logp.shape[1]], atol=1e-5, rtol=0)
+        assert torch.all(want[:, logp.shape[1]:] == 0)
+        assert _close(two_ranks[rank]["ep2"], out["tp1_rows7"], 1e-5), (two_ranks[rank]["ep2"], out["tp1_rows7"])
+    assert two_ranks[0]["ep2_weights"].keys() == out["weights"].keys()
+    for n, tensor in two_ranks[0]["ep2_weights"].items():  # every rank gathers every expert
+        assert torch.equal(tensor, two_ranks[1]["ep2_weights"][n]), n
+
+
+def _tp2_ep2(rank, world, path):
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    backend = MegatronBackend(path, TrainConfig(**CFG, tp=2, ep=2, micro_batch_samples=3), total_steps=1)
+    rows = toy_batch().select(EP2_ROWS[backend.dp_rank::backend.dp_size])
+    weights = {name: t.clone() for name, t in backend.iter_full_weights()}
+    return (backend.tp_rank, backend.ep_rank), backend.logprobs(rows)[0], _steps(backend, rows, 1), weights
+
+
+@pytest.mark.slow
+def test_tp2_ep2_on_four_ranks_equals_tp1(one_rank, checkpoints):
+    """Experts split over TP inside each EP rank: the same logprobs and step as TP1, every expert exported."""
+    out, _ = one_rank
+    results = run_ranks(4, _tp2_ep2, checkpoints[TRAIN])
+    assert [r[0] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]  # TP fastest, EP carved out of DP
+    for rank, (_, logp, steps, weights) in enumerate(results):
+        want = out["tp1_rows7_logp"][rank // 2::2]
+        torch.testing.assert_close(logp, want[:, :logp.shape[1]], atol=1e-5, rtol=0)
+        assert _close(steps, out["tp1_rows7"], 1e-5), (steps, out["tp1_rows7"])
+        assert set(weights) == set(out["weights"])
+
+
+def test_load_balancing_loss_is_an_option_and_tp2_equals_tp1(one_rank, two_ranks):
+    """train.megatron.moe_aux_loss_coeff: megatron's switch loss per MoE layer adds to the gradients, not to the
+    reported policy loss; each micro-batch's weighted like its main loss, the same at TP2 as at TP1."""
+    out, _ = one_rank
+    (aux_loss, aux_norm), (loss, norm) = out["aux_tp1"][0], out["tp1_micro3"][0]
+    assert abs(aux_loss - loss) <= 1e-6 * abs(loss) and abs(aux_norm - norm) > 1e-4 * norm
+    for rank in range(2):
+        assert _close(two_ranks[rank]["aux_tp2"], out["aux_tp1"], 1e-5), (two_ranks[rank]["aux_tp2"], out["aux_tp1"])
+
+
+def test_ep2_checkpoint_resume_reproduces_the_next_steps_exactly(two_ranks):
+    for rank in range(2):
+        assert two_ranks[rank]["ep2_resumed"] == two_ranks[rank]["ep2_next"]
+
+
+def test_unsupported_moe_settings_are_refused_with_the_fix(one_rank, two_ranks):
+    out, _ = one_rank
+    ep, lora = out["refused"]
+    assert "train.ep=2 must divide" in ep and "data-parallel size (1" in ep
+    assert "train.lora" in lora and "MoE" in lora
+    assert "moe_aux_loss_coeff" in two_ranks[0]["aux_pp2"] and "train.pp=1" in two_ranks[0]["aux_pp2"]
