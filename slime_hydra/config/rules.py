@@ -13,14 +13,14 @@ from slime_hydra.algo.config import GROUP_ESTIMATORS
 from slime_hydra.data.config import MAX_LEVELS
 from slime_hydra.data.tasks import get_env
 from slime_hydra.reward.config import REWARD_NAMES
-from slime_hydra.model.config import DENSE_FAMILIES, FUSED_GATE_UP, QKV_BIAS
+from slime_hydra.model.config import FUSED_GATE_UP, MEGATRON_FAMILIES, QKV_BIAS
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import memory_problems, plan_memory
 from slime_hydra.config.passthrough import check_passthrough
 from slime_hydra.config.plugins import check_plugins
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.options import ConfigError, Problem, counts_hold, domain_problems
-from slime_hydra.train.config import gate_up_problem, megatron_lora_problems
+from slime_hydra.train.config import gate_up_problem, megatron_lora_problems, megatron_moe_problems
 
 
 def check_layout(cfg: SlimeConfig) -> Iterator[Problem]:
@@ -38,13 +38,12 @@ def check_backend(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     """What a trainer backend would refuse when it starts, refused here instead (no job dies after its allocation)."""
     t, m = cfg.train, cfg.model
     if t.backend == "megatron":
-        if m.family not in DENSE_FAMILIES:
+        if m.family not in MEGATRON_FAMILIES:
             yield Problem(("train.backend", "model.family"),
-                          f"train=megatron converts {', '.join(DENSE_FAMILIES)} checkpoints; {m.family} "
-                          "(mixture of experts) is not built for it yet",
-                          "use train=fsdp (transformers' modeling), or a dense model")
-        elif t.ep > 1:
-            yield Problem(("train.ep",), f"train=megatron has no expert parallelism yet (ep={t.ep})", "set train.ep=1")
+                          f"train=megatron converts {', '.join(MEGATRON_FAMILIES)} checkpoints; {m.family} "
+                          "(multi-latent attention) is not built for it yet",
+                          "use another model family")
+        yield from megatron_moe_problems(t, m.num_experts, t.lora.enabled)
         if m.vocab_size % t.tp:
             yield Problem(("train.tp", "model.vocab_size"),
                           f"the vocabulary ({m.vocab_size} rows) is split over TP ranks: not divisible by "
@@ -116,14 +115,6 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                           f"model.num_layers={m.num_layers} is not divisible by train.pp={t.pp}",
                           f"choose train.pp among {_divisors(m.num_layers)}, or give the first/last stage its own "
                           "count (train.megatron.decoder_first_pipeline_num_layers)")
-    if t.ep > 1:
-        if not m.is_moe:
-            yield Problem(("train.ep",), f"expert parallelism (ep={t.ep}) needs a MoE model; {m.name} is dense",
-                          "set train.ep=1")
-        elif m.num_experts % t.ep or d.dp % t.ep:
-            yield Problem(("train.ep", "model.num_experts", "train.num_gpus"),
-                          f"train.ep={t.ep} must divide model.num_experts={m.num_experts} and dp={d.dp}",
-                          f"choose train.ep among the common divisors of {m.num_experts} and {d.dp}")
 
 
 def check_rollout(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:

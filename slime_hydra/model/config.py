@@ -15,10 +15,11 @@ from slime_hydra.options import Problem, choice, non_negative, positive
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "deepseek_v3")
 """model.family: the architectures the model options describe."""
 DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
-"""The dense families: train=megatron converts them (train/megatron/model.FAMILIES) and model/hf.py builds
-random-init models of them."""
+"""The dense families (model/hf.py builds random-init models of them)."""
 MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 """The mixture-of-experts families (model.num_experts > 0); model/hf.py builds random-init qwen3_moe models."""
+MEGATRON_FAMILIES = (*DENSE_FAMILIES, "qwen3_moe")
+"""The families train=megatron converts (train/megatron/model.FAMILIES)."""
 
 FUSED_GATE_UP = ("glm4",)
 """Families whose HF MLP holds gate and up as one ``gate_up_proj`` (train.lora cannot name gate_proj / up_proj)."""

@@ -74,6 +74,34 @@ class LoraConfig:
                           "list each module once")
 
 
+def megatron_moe_problems(train: "TrainConfig", num_experts: int, lora: bool) -> list[Problem]:
+    """What train=megatron refuses for expert parallelism and MoE models (train/megatron/moe.py): the backend checks
+    them at construction with its checkpoint's expert count, config/rules.py before anything starts with the model
+    config's. num_experts: routed experts per MoE layer (0: dense); lora: the role trains adapters."""
+    t, out = train, []
+    dp = t.num_gpus // t.model_parallel_size
+    if t.ep > 1 and not num_experts:
+        out.append(Problem(("train.ep",), f"expert parallelism (train.ep={t.ep}) needs a MoE model; this one is dense",
+                           "set train.ep=1"))
+    elif t.ep > 1 and (num_experts % t.ep or dp % t.ep):
+        out.append(Problem(("train.ep", "model.num_experts", "train.num_gpus"),
+                           f"train.ep={t.ep} must divide the experts per layer ({num_experts}) and the data-parallel "
+                           f"size ({dp}: EP peers are data-parallel ranks)",
+                           f"choose train.ep among the common divisors of {num_experts} and {dp}"))
+    if t.ep > 1 and (t.pp > 1 or t.cp > 1):
+        out.append(Problem(("train.ep", "train.pp", "train.cp"), f"train.ep={t.ep} with train.pp={t.pp} and "
+                           f"train.cp={t.cp}: expert parallelism is built with tensor and data parallelism only",
+                           "set train.pp=1 and train.cp=1"))
+    if float(t.megatron.get("moe_aux_loss_coeff", 0.0)) > 0 and t.pp > 1:
+        out.append(Problem(("train.megatron.moe_aux_loss_coeff", "train.pp"),
+                           "the load-balancing loss is weighted per micro-batch in the last stage's loss, which "
+                           "earlier pipeline stages do not see", "set train.pp=1, or the coefficient to 0"))
+    if lora and num_experts:
+        out.append(Problem(("train.lora.rank", "model.num_experts"), "LoRA on a MoE model is not built for "
+                           "train=megatron (adapters on its expert layers)", "use train=fsdp, or train.lora.rank=0"))
+    return out
+
+
 def megatron_lora_problems(lora: LoraConfig, tp: int, pp: int, kv_groups: int, fused_gate_up: bool,
                            qkv_bias: bool, megatron: Dict[str, Any]) -> list[Problem]:
     """What train=megatron refuses with train.lora on (train/megatron/lora.py): the backend checks them at

@@ -1,5 +1,6 @@
 """model=tiny_moe (Qwen3-MoE layers: 8 routed experts, 2 per token) end to end through launch.py, on train=fsdp
-(transformers' modeling, FSDP2 over the experts too) and the embedded engine: the KL to the reference is 0 at step 0,
+(transformers' modeling, FSDP2 over the experts too) and train=megatron (megatron-core's MoE layer), with the
+embedded engine: the KL to the reference is 0 at step 0,
 the engine's logprobs match the trainer's after every sync (the dense gate), and the weight sync carries every
 expert."""
 
@@ -15,13 +16,14 @@ def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
 
 
-def test_moe_run_keeps_engine_and_trainer_together(tmp_path):
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_moe_run_keeps_engine_and_trainer_together(tmp_path, backend):
     from slime_hydra.config import compose, to_config
     from slime_hydra.model.hf import hf_config
     from transformers import AutoModelForCausalLM
 
-    out = launch(f"output_dir={tmp_path}", "run_name=r", "model=tiny_moe", "num_steps=3", "algo.kl_loss_coef=0.001",
-                 *SMALL)
+    out = launch(f"output_dir={tmp_path}", "run_name=r", "model=tiny_moe", f"train={backend}", "num_steps=3",
+                 "algo.kl_loss_coef=0.001", *SMALL)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = train_rows(tmp_path / "r")
     assert [r["step"] for r in rows] == [0, 1, 2]

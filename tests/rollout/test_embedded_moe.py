@@ -51,3 +51,33 @@ async def test_moe_logprobs_and_weight_updates_in_both_layouts(setup):
         del a["lm_head.weight"]  # tied to the embedding (one tensor, sent once)
         await client.update_weights_from_tensor(a, weight_version="2")
     assert await _gap(setup["url"], setup["a"]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_decode_graphs_route_each_step_anew(tmp_path):
+    """On CUDA the decode step replays CUDA graphs: a MoE layer's routing depends on the data, so each replay must
+    route its own tokens (a graph that kept the capture's experts would drift from transformers at once). fp32:
+    six concurrent sampled requests against a plain CPU forward; eager (no graphs) beside it."""
+    import asyncio
+
+    model = to_config(compose(["model=tiny_moe"])).model
+    path = build_random_checkpoint(model, tmp_path / "m", seed=0)
+    reference = load(path)  # a CPU forward
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6][: 2 + i] for i in range(6)]
+
+    async def gaps(url: str) -> list[float]:
+        async with SGLangClient(url, timeout_s=300) as client:
+            outs = await asyncio.gather(*(client.generate(p, {**PARAMS, "sampling_seed": i}, return_logprob=True)
+                                          for i, p in enumerate(prompts)))
+        with torch.no_grad():
+            return [mean_abs_diff(logprobs(o), reference_logprobs(reference, p, tokens(o))[0])
+                    for p, o in zip(prompts, outs)]
+
+    for extra in ([], ["--disable-cuda-graph"]):
+        engine = start_embedded_engine(str(path), device="cuda:0", dtype="float32", max_batch_size=8,
+                                       extra_args=extra, log_path=tmp_path / "engine.log")
+        try:
+            assert max(asyncio.run(gaps(engine.url))) < 1e-3, extra  # a wrong expert moves logprobs by ~0.1
+        finally:
+            engine.stop()

@@ -66,7 +66,7 @@ micro-batches (``_micro_batches`` adds empty ones to the ranks with fewer). Expe
 expert-data-parallel group, the grad norm sums each EP rank's experts once, the ZeRO optimizer shards over the
 expert-data-parallel peers (the ranks holding the same experts), checkpoints hold one file per (PP stage, TP rank,
 EP rank), and weight export gathers every expert on every rank. Built and tested with TP and DP; ep > 1 with PP or
-CP is refused (``expert_parallel_problems``). The router's load-balancing loss (megatron's switch loss per MoE layer
+CP is refused (train/config.megatron_moe_problems). The router's load-balancing loss (megatron's switch loss per MoE layer
 and micro-batch) is off unless ``train.megatron.moe_aux_loss_coeff`` > 0; each micro-batch's is weighted like its
 main loss (units(micro) / units(global) * dp, through megatron's MoEAuxLossAutoScaler), so pp > 1 is refused with
 it; train=fsdp trains without one, so the two are compared with it off.
@@ -76,6 +76,7 @@ CP.
 """
 
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -86,7 +87,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, predicting_positions, response_logprobs, response_values)
-from slime_hydra.train.config import TrainConfig, megatron_lora_problems
+from slime_hydra.train.config import TrainConfig, megatron_lora_problems, megatron_moe_problems
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.megatron import checkpoint
 from slime_hydra.train.megatron.context_parallel import gather_sequence, local_positions, padded_length, split_sequence
@@ -101,24 +102,6 @@ from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
 from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, compile_options
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.optim import build_optimizer
-
-
-def expert_parallel_problems(arch: Arch, train: TrainConfig, world: int) -> list[str]:
-    """What train.ep asks that this backend cannot do (empty: fine). Expert parallelism is built and tested with
-    TP and DP (CPU, gloo); with PP or CP it is not built."""
-    if train.ep == 1:
-        return []
-    dp = world // (train.tp * train.cp * train.pp)
-    out = []
-    if not arch.is_moe:
-        out.append(f"train.ep={train.ep} needs a MoE model ({arch.family} is dense); set train.ep=1")
-    elif arch.num_experts % train.ep or dp % train.ep:
-        out.append(f"train.ep={train.ep} must divide the experts per layer ({arch.num_experts}) and the data-parallel "
-                   f"size ({dp}: EP peers are data-parallel ranks)")
-    if train.pp > 1 or train.cp > 1:
-        out.append(f"train.ep={train.ep} with train.pp={train.pp} / train.cp={train.cp}: expert parallelism is built "
-                   "with tensor and data parallelism only; set train.pp=1 and train.cp=1")
-    return out
 
 
 class MegatronBackend(TrainBackend):
@@ -144,17 +127,10 @@ class MegatronBackend(TrainBackend):
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.arch = Arch.from_hf(self.hf_config,
                                  moe_aux_loss_coeff=float(train.megatron.get("moe_aux_loss_coeff", 0.0)))
-        refused = expert_parallel_problems(self.arch, train, world)
-        if self.arch.moe_aux_loss_coeff > 0 and train.pp > 1:
-            refused.append("train.megatron.moe_aux_loss_coeff > 0 with train.pp > 1: the load-balancing loss is "
-                           "weighted per micro-batch in the last stage's loss, which earlier stages do not see; set "
-                           "train.pp=1")
-        if refused:
-            raise ValueError("train=megatron: " + "; ".join(refused))
         lora = train.lora.enabled and role == "actor"  # PPO's critic trains fully
-        if lora and self.arch.is_moe:
-            raise ValueError("train.lora with a MoE model on train=megatron is not built (adapters on the experts); "
-                             "set train.lora.rank=0 or use train=fsdp")
+        refused = megatron_moe_problems(replace(train, num_gpus=world), self.arch.num_experts, lora)
+        if refused:
+            raise ValueError("train=megatron: " + "; ".join(map(str, refused)))
         if lora:
             refused = megatron_lora_problems(train.lora, train.tp, train.pp, self.arch.num_kv_heads,
                                              self.arch.fused_gate_up, self.arch.qkv_bias, train.megatron)
