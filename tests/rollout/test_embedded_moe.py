@@ -57,8 +57,10 @@ async def test_moe_logprobs_and_weight_updates_in_both_layouts(setup):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_decode_graphs_route_each_step_anew(tmp_path):
     """On CUDA the decode step replays CUDA graphs: a MoE layer's routing depends on the data, so each replay must
-    route its own tokens (a graph that kept the capture's experts would drift from transformers at once). fp32:
-    six concurrent sampled requests against a plain CPU forward; eager (no graphs) beside it."""
+    route its own tokens (a graph that kept the capture's experts would drift from transformers at once). Six
+    concurrent sampled requests against a plain CPU forward (fp32). In fp32 transformers' expert kernels read token
+    counts back to the host, which a graph cannot hold: the engine finds that at capture and decodes eagerly; in bf16
+    its grouped matmul captures, and the graphs must do as well as eager decoding."""
     import asyncio
 
     model = to_config(compose(["model=tiny_moe"])).model
@@ -66,18 +68,27 @@ def test_gpu_decode_graphs_route_each_step_anew(tmp_path):
     reference = load(path)  # a CPU forward
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6][: 2 + i] for i in range(6)]
 
-    async def gaps(url: str) -> list[float]:
+    async def run(url: str) -> tuple[float, bool]:
         async with SGLangClient(url, timeout_s=300) as client:
             outs = await asyncio.gather(*(client.generate(p, {**PARAMS, "sampling_seed": i}, return_logprob=True)
                                           for i, p in enumerate(prompts)))
+            graphs = (await client.server_info())["cuda_graph"]
         with torch.no_grad():
-            return [mean_abs_diff(logprobs(o), reference_logprobs(reference, p, tokens(o))[0])
+            gaps = [mean_abs_diff(logprobs(o), reference_logprobs(reference, p, tokens(o))[0])
                     for p, o in zip(prompts, outs)]
+        return max(gaps), graphs
 
-    for extra in ([], ["--disable-cuda-graph"]):
-        engine = start_embedded_engine(str(path), device="cuda:0", dtype="float32", max_batch_size=8,
-                                       extra_args=extra, log_path=tmp_path / "engine.log")
-        try:
-            assert max(asyncio.run(gaps(engine.url))) < 1e-3, extra  # a wrong expert moves logprobs by ~0.1
-        finally:
-            engine.stop()
+    found = {}
+    for dtype in ("float32", "bfloat16"):
+        for extra in ([], ["--disable-cuda-graph"]):
+            engine = start_embedded_engine(str(path), device="cuda:0", dtype=dtype, max_batch_size=8,
+                                           extra_args=extra, log_path=tmp_path / "engine.log")
+            try:
+                found[dtype, bool(extra)] = asyncio.run(run(engine.url))
+            finally:
+                engine.stop()
+    print(found)
+    assert found["float32", False] == (pytest.approx(found["float32", True][0], abs=1e-5), False)  # eager now
+    assert found["float32", True][0] < 1e-4
+    graph_gap, graphs = found["bfloat16", False]
+    assert graphs and graph_gap < 2 * found["bfloat16", True][0] + 1e-3

@@ -11,6 +11,7 @@ the weights, and frees the slot cache and the decode graphs. It also keeps ``wei
 weights) and the process groups that distributed weight updates arrive through. It knows nothing of queues or HTTP.
 """
 
+import logging
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,8 +19,10 @@ import torch
 
 from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError
 from slime_hydra.rollout.engines.embedded.sampling import sample, score_prompt
-from slime_hydra.rollout.engines.embedded.slots import DecodeGraphs, SlotKV, register_attention
+from slime_hydra.rollout.engines.embedded.slots import DecodeGraphs, GraphCaptureError, SlotKV, register_attention
 from slime_hydra.weight_transport import adapter_key, destroy_weight_update_group, split_adapter_key
+
+logger = logging.getLogger("slime_hydra.engine")
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -364,12 +367,22 @@ class ModelRunner:
     def _decode(self) -> None:
         n = len(self.running)
         self.kv.reserve(max(r.num_tokens for r in self.running))  # the newest token goes to column num_tokens - 1
-        logits = self.graphs.run(n) if self.graphs is not None else self._decode_forward(n)
+        logits = self._graph_decode(n) if self.graphs is not None else self._decode_forward(n)
         self.kv.pos[:n] += 1
         tokens, chosen, logprobs, tops = sample(logits, self.running)
         self.kv.ids[:n] = tokens
         for i, r in enumerate(self.running):
             self._append(r, chosen[i], logprobs[i], tops[i] if tops else None)
+
+    def _graph_decode(self, n: int) -> torch.Tensor:
+        """The decode step from its CUDA graph; a step that cannot be captured runs eagerly from then on."""
+        try:
+            return self.graphs.run(n)
+        except GraphCaptureError as error:
+            logger.warning("CUDA graphs off for this engine: %s", error)
+            self.graphs = None
+            torch.cuda.synchronize(self.device)
+            return self._decode_forward(n)
 
     def _decode_forward(self, n: int) -> torch.Tensor:
         """Logits [n, vocab] (fp32) of the next token of slots 0..n-1 (what a CUDA graph captures)."""

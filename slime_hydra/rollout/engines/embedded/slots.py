@@ -162,6 +162,11 @@ class SlotKV:
         return moves
 
 
+class GraphCaptureError(RuntimeError):
+    """The decode step cannot be captured as a CUDA graph (it synchronises with the host, e.g. a MoE layer whose
+    expert kernels read token counts back; transformers' fp32 grouped-matmul fallback does)."""
+
+
 class DecodeGraphs:
     """CUDA graphs of ``forward(n) -> logits [n, vocab]`` for batch-size buckets, captured on first use."""
 
@@ -184,7 +189,10 @@ class DecodeGraphs:
         """Logits of the first n slots (the graph of n's bucket; captured now if it is new)."""
         size = self.bucket(n)
         if size not in self._graphs:
-            self._graphs[size] = self._capture(size)
+            try:
+                self._graphs[size] = self._capture(size)
+            except RuntimeError as error:
+                raise GraphCaptureError(f"capturing the decode step of {size} rows: {error}") from error
         graph, logits = self._graphs[size]
         graph.replay()
         return logits[:n]
