@@ -11,8 +11,7 @@ BATCH concurrent requests (sampling at temperature 1, ``ignore_eos`` so every re
 tokens) and prints generated tokens per second of wall time, as seen by the client. ``--model NAME`` takes the
 shape from conf/model/NAME.yaml instead (random init; on CUDA the engine runs in bf16, with CUDA graphs unless
 ``--eager``; ``--layers`` takes fewer of its layers). For scale it also times ``model.generate`` on the same batch
-in this process (no HTTP, no scheduler;
-``--reference none`` skips it).
+in this process (no HTTP, no scheduler; ``--reference none`` skips it).
 """
 
 import argparse
