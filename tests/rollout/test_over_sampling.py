@@ -1,22 +1,28 @@
 """Over-sampling with a dynamic filter, for real (Ray, sglang-router, two embedded CPU engines, the tiny model).
 
 A batch of 2 prompts over-samples 6. One group in flight per engine pair (max_concurrency_per_engine=1, 2 samples
-a group) and a reward that takes 0.3 s: group 1 is rejected by the filter (if it finishes before the abort), and
-once two groups are kept the groups still generating are aborted with partial tokens (a sample that reaches EOS
-first stays completed) while those not started never are. Which groups finish first depends on the machine's load,
-so the checks hold for any order. With ``rollout.partial_rollout=true`` the next batch resumes the recycled groups
+a group): group 1 is rejected by the filter (if it finishes before the abort), and once two groups are kept the
+groups still generating are aborted with partial tokens while those not started never are. The timing is set, not
+raced: each sample generates CHUNK tokens first and then the rest of its budget (``paced_generate``, EOS ignored),
+and a sample's reward returns only once another sample has generated its first chunk since (``reward_after_next``,
+at most 3 s), so when a group is kept the next one is generating with at least CHUNK tokens (on a quiet machine
+the groups used to finish generating before the rewards, and nothing was left to abort). Which groups finish first
+still depends on the machine's load, so the checks hold for any order. With ``rollout.partial_rollout=true`` the next batch resumes the recycled groups
 first (those with partial responses before the others) and continues their partial responses; with false they are
 dropped. Either way no request is left on an engine.
 """
 
 import asyncio
 import os
+import time
 
 import pytest
 import ray
 
+from slime_hydra.buffer.sample import Status
 from slime_hydra.config import PROJECT_ROOT
 from slime_hydra.rollout.auth import read_api_key
+from slime_hydra.rollout.generate import default_generate
 from slime_hydra.rollout.client import SGLangClient
 from tests.rollout.helpers import manager_config, start_manager
 
@@ -25,7 +31,13 @@ SHAPE = ("rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2", "rollout.o
          "rollout.max_response_tokens=160", "rollout.max_concurrency_per_engine=1",
          "rollout.health_check_interval_s=0",
          "algo.dynamic_filter=tests.rollout.test_over_sampling.reject_group_1",
-         "reward=custom", "reward.target=tests.rollout.test_over_sampling.slow_reward")
+         "rollout.generate=tests.rollout.test_over_sampling.paced_generate",
+         "reward=custom", "reward.target=tests.rollout.test_over_sampling.reward_after_next")
+CHUNK = 8
+"""Tokens every sample generates in its first /generate call."""
+FIRST_CHUNKS = [0]
+"""Samples that have generated their first chunk, in the rollout manager's process (the hook and the reward run on
+its event loop)."""
 
 
 def reject_group_1(group) -> tuple[bool, str]:
@@ -33,9 +45,24 @@ def reject_group_1(group) -> tuple[bool, str]:
     return group[0].group_index != 1, "group_1"
 
 
-async def slow_reward(response: str, label, metadata: dict) -> float:
-    """A reward that takes 0.3 s (as a remote reward model would), so the next group generates meanwhile."""
-    await asyncio.sleep(0.3)
+async def paced_generate(ctx, sample, params: dict):
+    """The default generate in two calls: CHUNK tokens, then the rest of the budget; EOS ignored, so every response
+    runs its full budget and a group takes many decode steps after its first chunk."""
+    params = {**params, "ignore_eos": True}
+    first = min(sample.response_length + CHUNK, params["max_new_tokens"])
+    sample = await default_generate(ctx, sample, {**params, "max_new_tokens": first})
+    FIRST_CHUNKS[0] += 1
+    if sample.status is Status.ABORTED or sample.response_length >= params["max_new_tokens"]:
+        return sample
+    return await default_generate(ctx, sample, params)
+
+
+async def reward_after_next(response: str, label, metadata: dict) -> float:
+    """Returns once another sample has generated its first chunk since this reward began (at most 3 s: the last
+    group has no next one), as a slow remote reward model would let the next group generate meanwhile."""
+    seen, deadline = FIRST_CHUNKS[0], time.monotonic() + 3.0
+    while FIRST_CHUNKS[0] == seen and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
     return float(len(response) % 2)
 
 
