@@ -203,7 +203,7 @@ class ModelRunner:
         """Keep a named adapter (every A and B of the served adapter modules, by saved-adapter keys)."""
         mapped = {self._aliases.get(k, k): t for k, t in named.items()}
         slots = {n: t for n, t in self._tensors.items() if ".lora_" in n}
-        problems = [f"unknown adapter weight {k!r}" for k, n in zip(named, mapped) if n not in slots]
+        problems = [f"unknown adapter weight {k!r}" for k in named if self._aliases.get(k, k) not in slots]
         problems += [f"{n}: shape {tuple(t.shape)} != {tuple(self._shape(slots[n]))}" for n, t in mapped.items()
                      if n in slots and tuple(t.shape) != tuple(self._shape(slots[n]))]
         missing = sorted(set(slots) - set(mapped))
