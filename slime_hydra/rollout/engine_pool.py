@@ -95,7 +95,16 @@ class EnginePool:
     async def on_engines_or_take_out(self, method: str, *args, **kwargs) -> None:
         """Call ``method`` of every engine in service; an engine that cannot be reached (it died after the last
         check) is taken out and restarted instead of failing the call (a weight sync's pause / resume)."""
-        targets = [i for i in range(len(self.clients)) if i not in self.down]
+        await self._call_or_take_out([i for i in range(len(self.clients)) if i not in self.down], method, args, kwargs)
+
+    async def on_weight_receivers(self, method: str, *args, **kwargs) -> None:
+        """Call every engine a weight sync reaches: those in service and restarted ones waiting for weights. One
+        that died during the sync is taken out and restarted (it gets the newest weights when it is back: replay,
+        or the next sync) instead of failing the sync for the others."""
+        await self._call_or_take_out(self.weight_receivers(), method, args, kwargs)
+
+    async def _call_or_take_out(self, targets: list[int], method: str, args: tuple, kwargs: dict) -> None:
+        """``method`` on every engine of ``targets`` at once; unreachable ones are taken out, other errors raised."""
         results = await asyncio.gather(*[getattr(self.clients[i], method)(*args, **kwargs) for i in targets],
                                        return_exceptions=True)
         for i, result in zip(targets, results):
@@ -103,11 +112,6 @@ class EnginePool:
                 self._found_dead(i, f"{method} could not reach it ({result})")
             elif isinstance(result, BaseException):
                 raise result
-
-    async def on_weight_receivers(self, method: str, *args, **kwargs) -> list:
-        """Call every engine a weight sync reaches: those in service and restarted ones waiting for weights."""
-        return list(await asyncio.gather(*[getattr(self.clients[i], method)(*args, **kwargs)
-                                           for i in self.weight_receivers()]))
 
     async def gpu_peaks(self) -> list[int]:
         """The most GPU memory each reachable engine in service ever allocated (bytes; none on CPU). An engine that

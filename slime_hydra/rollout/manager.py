@@ -350,8 +350,8 @@ class RolloutManager:
     async def finish_weight_update(self, version: int) -> int:
         return await self.weights.finish(version)
 
-    async def abort_weight_update(self) -> None:
-        await self.weights.abort()
+    async def abort_weight_update(self) -> list[int]:
+        return await self.weights.abort()
 
     def needs_weights(self) -> bool:
         """No engine can generate until the trainer sends the current weights again (EnginePool.needs_weights)."""

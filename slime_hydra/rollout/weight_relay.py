@@ -16,7 +16,10 @@ waits for the requests that use it: in async mode a request that began before a 
 began with), so an engine holds at most two adapters.
 
 A sync holds the pool's ``weights_lock`` from ``begin`` to ``finish`` (no replay into a restarted engine
-meanwhile) and releases it and the pause on every path (``finish``, or ``abort`` when the trainer's side failed).
+meanwhile) and releases it and the pause on every path (``finish``, or ``abort`` when the sync failed). An engine
+that dies during a sync is taken out and restarted (``EnginePool.on_weight_receivers``); the others get the whole
+sync. A broadcast fails for every member when one dies: ``abort`` then names the engines lost, and the trainer runs
+the sync once more without them.
 
 What is kept of the newest completed sync, so a restarted engine can be given it again (``replay``):
 
@@ -74,6 +77,7 @@ class WeightRelay:
         self._tensors: dict = {}
         self._holds_lock = False
         self._paused = False
+        self._down_at_begin: set[int] = set()
         pool.replay = self.replay
 
     # ---- one sync ------------------------------------------------------------------------------------------------
@@ -82,10 +86,15 @@ class WeightRelay:
         place (async mode: a rollout may be running) so updates apply at once."""
         await self.pool.weights_lock.acquire()
         self._holds_lock = True
-        await self.pool.check()  # a dead engine is taken out (and restarted); the sync goes to the others
-        await self._unload_stale_adapter()
-        await self.pool.on_engines_or_take_out("pause_generation", mode="in_place")
-        self._paused = True
+        self._down_at_begin = set(self.pool.down)
+        try:
+            await self.pool.check()  # a dead engine is taken out (and restarted); the sync goes to the others
+            await self._unload_stale_adapter()
+            await self.pool.on_engines_or_take_out("pause_generation", mode="in_place")
+            self._paused = True
+        except BaseException:
+            await self.abort()
+            raise
 
     async def from_disk(self, path: str, version: int) -> None:
         await self.pool.on_weight_receivers("update_weights_from_disk", path, weight_version=str(version))
@@ -156,16 +165,20 @@ class WeightRelay:
             self._release()
         return self.on_version(version)
 
-    async def abort(self) -> None:
-        """The trainer's side of the sync failed: resume generation and release the lock (the engines may hold a
-        mix of old and new tensors; the next sync overwrites every one)."""
+    async def abort(self) -> list[int]:
+        """The sync failed: resume generation and release the lock (the engines may hold a mix of old and new
+        tensors; the next sync overwrites every one). Returns the engines found dead since ``begin``: when there
+        are some, the failure may be theirs (a broadcast fails for every member when one dies) and the same sync
+        can be run again without them (train/weight_sync.py)."""
         self._incoming = None
         try:
+            await self.pool.check()
             if self._paused:
                 self._paused = False
-                await self.pool.on_engines("continue_generation")
+                await self.pool.on_engines_or_take_out("continue_generation")
         finally:
             self._release()
+        return sorted(set(self.pool.down) - self._down_at_begin)
 
     async def _unload_stale_adapter(self) -> None:
         """Unload the adapter the newest one replaced from every engine in service (each answers once the requests

@@ -29,7 +29,7 @@ version only once it has every tensor. Tensors are sent in the engines' compute 
 
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import ray
 import torch
@@ -43,10 +43,19 @@ from slime_hydra.weight_transport import (
 
 ADAPTER_DIR = "adapter_v"
 """Prefix of the PEFT adapter directory of each adapter sync by disk (``<run_dir>/weights/adapter_v<version>``)."""
+SYNC_ATTEMPTS = 2
+"""A sync that failed while an engine died is run once more, without it (``WeightPusher.push``)."""
+ENGINES_SETTLE_S = 60.0
+"""After a failed broadcast, how long rank 0 waits for the engines' side of the bucket to end before aborting."""
 
 
 class WeightPusher:
-    """Lives on one training rank; ``push`` is called on all ranks together, once per sync."""
+    """Lives on one training rank; ``push`` is called on all ranks together, once per sync.
+
+    Only rank 0 talks to the rollout manager. Its calls go through ``_on_rank0``: once one fails the rest of the
+    attempt skips them, while every rank still runs the attempt's collectives (gathering full tensors, CUDA IPC
+    handles), so a failure on rank 0 never leaves the others waiting in a collective. At the end of an attempt rank
+    0 tells every rank the outcome: done, again, or failed."""
 
     def __init__(self, backend, method: str, manager, bucket_mb: int, run_dir: str, dtype: str,
                  adapter: bool = False):
@@ -57,21 +66,45 @@ class WeightPusher:
         self.run_dir, self.send_dtype = Path(run_dir), dtype_from_name(dtype)
         self.rank = dist.get_rank()
         self.group = None
+        self._failure: Optional[BaseException] = None
+        """Rank 0: the first error of this attempt's calls to the manager (the rest of the attempt skips them)."""
 
     def push(self, version: int) -> dict[str, float]:
-        """Send the current weights as ``version``; returns {"sync/bytes": n}."""
-        if self.rank == 0:
-            ray.get(self.manager.begin_weight_update.remote())
-        try:
+        """Send the current weights as ``version``; returns {"sync/bytes": n, "sync/attempts": k}.
+
+        An attempt that fails while engines died during it (``abort_weight_update`` names them) is run again: the
+        dead engines are out of service by then and get the weights when they are back (the relay's replay, or the
+        next sync). Any other failure, or a second one, is raised on every rank."""
+        for attempt in range(1, SYNC_ATTEMPTS + 1):
+            self._failure = None
+            self._on_rank0(lambda: ray.get(self.manager.begin_weight_update.remote()))
             sent = self._send_all(version)
-        except BaseException:
-            if self.rank == 0:  # generation resumes and the relay's lock is released (weight_relay.py)
-                ray.get(self.manager.abort_weight_update.remote())
-            raise
-        if self.rank == 0:
-            ray.get(self.manager.finish_weight_update.remote(version))
-        dist.barrier()
-        return {"sync/bytes": float(sent)}
+            self._on_rank0(lambda: ray.get(self.manager.finish_weight_update.remote(version)))
+            outcome = ["done" if self._failure is None else "failed", sent]
+            if self.rank == 0 and self._failure is not None:  # generation resumes, the relay's lock is released
+                lost = ray.get(self.manager.abort_weight_update.remote())
+                if lost and attempt < SYNC_ATTEMPTS:
+                    outcome[0] = "again"
+                    print(f"weight sync: version {version} failed while engine(s) {lost} died "
+                          f"({type(self._failure).__name__}: {self._failure}); sending it again", flush=True)
+            dist.broadcast_object_list(outcome, src=0)
+            if outcome[0] == "done":
+                return {"sync/bytes": float(outcome[1]), "sync/attempts": float(attempt)}
+            if outcome[0] == "failed":
+                if self.rank == 0:
+                    raise self._failure
+                raise RuntimeError(f"weight sync of version {version} failed on trainer rank 0 (its error says why)")
+        raise AssertionError("unreachable: the last attempt is done or failed")
+
+    def _on_rank0(self, call: Callable[[], object]) -> None:
+        """Rank 0 makes ``call`` (a call to the rollout manager) unless one failed earlier in this attempt; a
+        failure is kept for ``push``, not raised, so the attempt's collectives still run on every rank."""
+        if self.rank != 0 or self._failure is not None:
+            return
+        try:
+            call()
+        except Exception as error:
+            self._failure = error
 
     def _send_all(self, version: int) -> int:
         """Every tensor to the engines by this method; returns the bytes sent (rank 0's count)."""
@@ -79,8 +112,8 @@ class WeightPusher:
         if self.method == "disk" and self.adapter:
             out = self.run_dir / "weights" / f"{ADAPTER_DIR}{version}"
             self.backend.export_adapter(out)
-            if self.rank == 0:
-                ray.get(self.manager.load_adapter_from_disk.remote(str(out), version))
+            self._on_rank0(lambda: ray.get(self.manager.load_adapter_from_disk.remote(str(out), version)))
+            if self.rank == 0 and self._failure is None:
                 sent = (out / "adapter_model.safetensors").stat().st_size
                 for old in out.parent.glob(f"{ADAPTER_DIR}*"):
                     if old != out:
@@ -89,12 +122,12 @@ class WeightPusher:
             out = self.run_dir / "weights" / "latest"
             out.mkdir(parents=True, exist_ok=True)
             self.backend.export_hf(out)
+            self._on_rank0(lambda: ray.get(self.manager.update_weights_from_disk.remote(str(out), version)))
             if self.rank == 0:
-                ray.get(self.manager.update_weights_from_disk.remote(str(out), version))
                 sent = sum(f.stat().st_size for f in out.glob("*.safetensors"))
         else:
             if self.method == "distributed":
-                self._join_group()
+                self._on_rank0(self._join_group)
             bucket_list = buckets(self._tensors(), self.bucket_bytes)
             pending = next(bucket_list, None)
             while pending is not None:
@@ -118,21 +151,36 @@ class WeightPusher:
             flat, handle = share_cuda_bucket(bucket)
             handles = [None] * dist.get_world_size()
             dist.all_gather_object(handles, handle)
-            if self.rank == 0:
-                ray.get(self.manager.update_weights_from_cuda_ipc.remote(handles, version))
+            self._on_rank0(lambda: ray.get(self.manager.update_weights_from_cuda_ipc.remote(handles, version)))
             dist.barrier()  # every engine has copied out of every rank's buffer: now it may go
             del flat
         elif self.rank != 0:
             return 0
         elif self.method == "tensor":
-            ray.get(self.manager.update_weights_from_tensor.remote({n: t.cpu() for n, t in bucket}, version))
+            self._on_rank0(lambda: ray.get(self.manager.update_weights_from_tensor.remote(
+                {n: t.cpu() for n, t in bucket}, version)))
         else:
-            names = [n for n, _ in bucket]
-            ref = self.manager.update_weights_from_distributed.remote(
-                names, [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket], version)
-            send_named_tensors(self.group, bucket)
-            ray.get(ref)
+            self._on_rank0(lambda: self._broadcast(bucket, version))
         return sum(t.numel() * t.element_size() for _, t in bucket)
+
+    def _broadcast(self, bucket: list[tuple[str, torch.Tensor]], version) -> None:
+        """Announce one bucket to the engines and broadcast it. When the broadcast fails (a member died) this side
+        leaves the group at once, so the other members' receive fails too instead of waiting out the group's
+        timeout, and the next attempt forms a new group."""
+        ref = self.manager.update_weights_from_distributed.remote(
+            [n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket],
+            version)
+        try:
+            send_named_tensors(self.group, bucket)
+        except BaseException:
+            destroy_weight_update_group(self.group)
+            self.group = None
+            try:
+                ray.get(ref, timeout=ENGINES_SETTLE_S)
+            except Exception:  # the engines' side of the same failure: the send's error is the one raised
+                pass
+            raise
+        ray.get(ref)
 
     def _join_group(self) -> None:
         """Rank 0 hosts the broadcast group; the manager makes every engine join it (rank 1 + engine index).

@@ -7,12 +7,14 @@ the greedy tokens), registered in the router again, and serve the next batch. A 
 checks a failed request is retried once the engine is back, and that when the restart fails the error names the
 engine and why. A third kills an engine between two broadcast syncs (weight_sync=distributed): the broadcast group is
 formed again with every engine. A fourth kills an engine after a LoRA adapter sync by disk: the restarted engine loads
-the named adapter again.
+the named adapter again. The last kills an engine in the middle of a sync, by each CPU method, through the trainer's
+own sender.
 """
 
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -293,3 +295,89 @@ def test_a_restarted_engine_loads_the_named_adapter_again(tmp_path):
         assert len(samples) == 4 and all(s["weight_version"] == 1 for s in samples)
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
+
+
+class _WeightsOf:
+    """The trainer backend's part in a sync (``WeightPusher`` asks it for its full weights or an HF export),
+    reduced to the tensors of a model directory; ``during_sync`` runs once the sync is under way (between two
+    buckets, or after the export), so an engine can be killed at that point of the sync and at no other."""
+
+    def __init__(self, model_dir: str, during_sync=None):
+        self.model_dir, self.during_sync = model_dir, during_sync
+
+    def _midway(self) -> None:
+        if self.during_sync is not None:
+            self.during_sync()
+            self.during_sync = None
+
+    def iter_full_weights(self):
+        weights = read_checkpoint(self.model_dir)
+        for k, name in enumerate(sorted(weights)):
+            if k == len(weights) // 2:
+                self._midway()
+            yield name, weights[name]
+
+    def export_hf(self, out: Path) -> None:
+        shutil.copytree(self.model_dir, out, dirs_exist_ok=True)
+        self._midway()
+
+
+@pytest.mark.parametrize("method", ["distributed", "tensor", "disk"])
+def test_an_engine_killed_during_a_sync_costs_the_sync_nothing(tmp_path, method):
+    """An engine SIGKILLed in the middle of a weight sync, by each CPU method, through the trainer's real
+    ``WeightPusher`` (rank 0 of a one-rank gloo world) and the rollout manager: the push returns; the other engine
+    holds the new version; the dead one is restarted. By tensor or disk the sync goes on without it and it is given
+    the new weights when it is back (one attempt); a broadcast fails for every member when one dies, so the trainer
+    sends the version once more to the survivor (two attempts). The next sync reaches both engines."""
+    import torch.distributed as dist
+
+    from slime_hydra.train.weight_sync import WeightPusher
+
+    cfg = manager_config(tmp_path, "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2",
+                         "rollout.health_check_interval_s=0.5")
+    manager, engines, urls = start_manager(cfg, tmp_path / "r")
+    key = read_api_key(tmp_path / "r")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    old_pid = ray.get(engines[1].pid.remote())
+
+    def kill_engine_1():
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while ray.get(engines[1].alive.remote()):
+            assert time.monotonic() < deadline, "engine 1 still alive 30 s after SIGKILL"
+            time.sleep(0.05)
+
+    try:
+        initial = asyncio.run(_engine_info(urls, key))
+        pusher = WeightPusher(None, method, manager, bucket_mb=1, run_dir=str(tmp_path / "r"), dtype="float32")
+        second = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 1))
+        pusher.backend = _WeightsOf(second, during_sync=kill_engine_1)
+        metrics = pusher.push(1)
+        assert metrics["sync/attempts"] == (2 if method == "distributed" else 1)
+        synced = asyncio.run(_engine_info(urls[:1], key))[0]
+        assert synced["version"] == "1" and synced["greedy"] != initial[0]["greedy"]
+
+        ray.get(manager.wait_engines_settled.remote(), timeout=180)
+        assert ray.get(engines[1].pid.remote()) != old_pid  # restarted
+        status = ray.get(manager.engine_status.remote())[1]
+        if method == "distributed" and not status["up"]:  # back after the second attempt began: a broadcast
+            assert not status["in_router"] and "waits for the next weight sync" in status["cause"], status
+        else:  # replayed from the manager's copy, reloaded from the export, or back in time for the second attempt
+            assert status["up"] and status["in_router"], status
+            assert ray.get(manager.engine_weight_versions.remote()) == ["1", "1"]
+            assert asyncio.run(_engine_info(urls[1:], key))[0]["greedy"] == synced["greedy"]
+
+        third = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 2))
+        pusher.backend = _WeightsOf(third)
+        assert pusher.push(2)["sync/attempts"] == 1
+        status = ray.get(manager.engine_status.remote())
+        assert [(e["up"], e["in_router"]) for e in status] == [(True, True)] * 2
+        assert ray.get(manager.engine_weight_versions.remote()) == ["2", "2"]
+        back = asyncio.run(_engine_info(urls, key))
+        assert back[0]["greedy"] == back[1]["greedy"] not in (initial[0]["greedy"], synced["greedy"])
+    finally:
+        ray.get(manager.shutdown.remote(), timeout=60)
+        dist.destroy_process_group()
