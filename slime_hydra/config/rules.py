@@ -43,7 +43,7 @@ def check_backend(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                           f"train=megatron converts {', '.join(MEGATRON_FAMILIES)} checkpoints; {m.family} "
                           "(multi-latent attention) is not built for it yet",
                           "use another model family")
-        yield from megatron_moe_problems(t, m.num_experts, t.lora.enabled)
+        yield from megatron_moe_problems(t, m.num_experts)
         if m.vocab_size % t.tp:
             yield Problem(("train.tp", "model.vocab_size"),
                           f"the vocabulary ({m.vocab_size} rows) is split over TP ranks: not divisible by "
@@ -236,7 +236,7 @@ def check_lora(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"tensors, not as the linears {mlp} PEFT adapts (it would skip them and train none)",
                       "adapt the attention: train.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
     if t.backend == "megatron":
-        yield from megatron_lora_problems(lora, t.tp, t.pp, cfg.model.num_kv_heads, False,
+        yield from megatron_lora_problems(lora, t.tp, cfg.model.num_kv_heads, False,
                                           cfg.model.family in QKV_BIAS, t.megatron)
     if d.lora_sync != "adapter":
         return

@@ -74,10 +74,11 @@ class LoraConfig:
                           "list each module once")
 
 
-def megatron_moe_problems(train: "TrainConfig", num_experts: int, lora: bool) -> list[Problem]:
+def megatron_moe_problems(train: "TrainConfig", num_experts: int) -> list[Problem]:
     """What train=megatron refuses for expert parallelism and MoE models (train/megatron/moe.py): the backend checks
     them at construction with its checkpoint's expert count, config/rules.py before anything starts with the model
-    config's. num_experts: routed experts per MoE layer (0: dense); lora: the role trains adapters."""
+    config's. num_experts: routed experts per MoE layer (0: dense). (LoRA on a MoE model adapts its attention:
+    config/rules.check_lora refuses expert targets for both backends.)"""
     t, out = train, []
     dp = t.num_gpus // t.model_parallel_size
     if t.ep > 1 and not num_experts:
@@ -96,13 +97,10 @@ def megatron_moe_problems(train: "TrainConfig", num_experts: int, lora: bool) ->
         out.append(Problem(("train.megatron.moe_aux_loss_coeff", "train.pp"),
                            "the load-balancing loss is weighted per micro-batch in the last stage's loss, which "
                            "earlier pipeline stages do not see", "set train.pp=1, or the coefficient to 0"))
-    if lora and num_experts:
-        out.append(Problem(("train.lora.rank", "model.num_experts"), "LoRA on a MoE model is not built for "
-                           "train=megatron (adapters on its expert layers)", "use train=fsdp, or train.lora.rank=0"))
     return out
 
 
-def megatron_lora_problems(lora: LoraConfig, tp: int, pp: int, kv_groups: int, fused_gate_up: bool,
+def megatron_lora_problems(lora: LoraConfig, tp: int, kv_groups: int, fused_gate_up: bool,
                            qkv_bias: bool, megatron: Dict[str, Any]) -> list[Problem]:
     """What train=megatron refuses with train.lora on (train/megatron/lora.py): the backend checks them at
     construction with its model's facts, config/rules.py before anything starts with the model config's.
@@ -111,9 +109,6 @@ def megatron_lora_problems(lora: LoraConfig, tp: int, pp: int, kv_groups: int, f
     a (fused) bias."""
     out, targets = [], set(lora.target_modules)
     qkv = targets & {"q_proj", "k_proj", "v_proj"}
-    if pp > 1:
-        out.append(Problem(("train.lora.rank", "train.pp"), f"LoRA with train.pp={pp}: adapters are not yet sent "
-                           "between pipeline stages", "set train.pp=1 (TP, CP and DP work with LoRA)"))
     if fused_gate_up and targets & {"gate_proj", "up_proj"}:
         out.append(gate_up_problem())
     if kv_groups % tp and qkv:

@@ -23,7 +23,6 @@ SGLANG = (*LORA, "rollout=sglang", "cluster.gpus_per_node=8", "model=qwen2_5_0_5
     ((*LORA, "model=tiny_moe"), "[train.lora.target_modules, model.family]", "fused [experts, ...] tensors"),
     ((*LORA, "model=glm4_9b", "cluster=slurm_8xh100", "model.path=/ckpt/glm4"),
      "[train.lora.target_modules, model.family]", "gate_up_proj"),
-    ((*MEGATRON, "train.num_gpus=2", "train.pp=2"), "[train.lora.rank, train.pp]", "pipeline stages"),
     ((*MEGATRON, "train.num_gpus=2", "train.tp=2", "train.lora.dropout=0.1"), "[train.lora.dropout, train.tp]",
      "dropout mask"),
     ((*MEGATRON, "train.num_gpus=4", "train.tp=4", "model.num_kv_heads=2"),
@@ -44,6 +43,7 @@ def test_what_lora_can_do_validates():
     assert load(*LORA, "cluster.colocate=true", "train.lora.sync=adapter")[1].lora_sync == "adapter"
     assert load(*LORA, "train.lora.bias=all")[1].lora_sync == "merged"  # trained biases travel merged
     assert load(*MEGATRON, "train.num_gpus=2", "train.tp=2")[1].lora_sync == "adapter"
+    assert load(*MEGATRON, "train.num_gpus=2", "train.pp=2")[1].lora_sync == "adapter"
     assert load(*LORA, "model=tiny_moe", "train.lora.target_modules=[q_proj,o_proj]")[1].lora_sync == "adapter"
     sglang = load(*SGLANG)[1]  # merged weights by a broadcast: SGLang then decodes the plain model
     assert (sglang.lora_sync, sglang.weight_sync) == ("merged", "distributed")

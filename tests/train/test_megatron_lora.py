@@ -1,9 +1,9 @@
 """train=megatron with train.lora on CPU (gloo, fp32): the adapters on megatron's fused, TP-split linears compute
 PEFT's function (logprobs within 1e-5 of transformers + peft with the same adapter, at TP1 and TP2), step 0 is the
-base model bit for bit, TP2 trains as TP1, training tracks PEFT's, merged weights and the PEFT export are right,
-only the adapters train, and a checkpoint resumes exactly.
+base model bit for bit, TP2 and PP2 train as TP1, training tracks PEFT's, merged weights and the PEFT export are right,
+only the adapters train, and a checkpoint resumes exactly (also at PP2).
 
-Two spawned runs (TP1 on one rank, TP2 on two) compute everything; the tests assert on their results. The family is
+Three spawned runs (TP1 on one rank, TP2 and PP2 on two) compute everything; the tests assert on their results. The family is
 qwen2: q/k/v biases stay frozen beside the adapters (train.lora.bias=none).
 """
 
@@ -108,11 +108,27 @@ def _tp2(rank, world, path, adapter):
     out["loaded"] = policy.logprobs(batch)[0]
     out["steps"] = _steps(policy, batch, STEPS)
     out["adapters"] = dict(policy.iter_adapter_weights())
-    try:
-        MegatronBackend(path, TrainConfig(**CFG, pp=2, lora=LORA), total_steps=1)
-        out["pp2"] = None
-    except ValueError as error:
-        out["pp2"] = str(error)
+    return out
+
+
+def _pp2(rank, world, path, adapter, ckpt):
+    """Two pipeline stages of one layer each: each holds its layer's adapters."""
+    from slime_hydra.train.megatron.backend import MegatronBackend
+
+    batch, out, train = toy_batch(), {}, TrainConfig(**CFG, pp=2, lora=LORA)
+    policy = MegatronBackend(path, train, total_steps=STEPS, keep_reference=True)
+    out["stage_adapters"] = len(policy.lora.parameters())
+    out["step0"] = policy.logprobs(batch)[0]
+    policy.load_adapter(adapter)
+    out["loaded"] = policy.logprobs(batch)[0], policy.logprobs(batch, "ref")[0]
+    out["steps"] = _steps(policy, batch, 2)
+    policy.save(ckpt)
+    out["steps"] += _steps(policy, batch, 1)
+    out["adapters"] = dict(policy.iter_adapter_weights())
+    out["merged"] = dict(policy.iter_full_weights())
+    resumed = MegatronBackend(path, train, total_steps=STEPS, keep_reference=True)
+    resumed.load(ckpt)
+    out["resumed"] = _steps(resumed, batch, 1)
     return out
 
 
@@ -125,6 +141,11 @@ def tp1(path, adapter, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp2(path, adapter):
     return run_ranks(2, _tp2, path, adapter)
+
+
+@pytest.fixture(scope="module")
+def pp2(path, adapter, tmp_path_factory):
+    return run_ranks(2, _pp2, path, adapter, tmp_path_factory.mktemp("lora_pp2_ckpt"))
 
 
 @pytest.fixture(scope="module")
@@ -216,8 +237,27 @@ def test_checkpoint_resume_reproduces_the_next_step_exactly(tp1):
     assert all(torch.equal(adapters[k], tp1["adapters"][k]) for k in adapters)
 
 
-def test_pipeline_parallel_lora_is_refused_at_construction_naming_the_key(tp2):
-    assert "train.pp=1" in tp2[0]["pp2"]  # config validation refuses it first (tests/config/test_lora_config.py)
+def test_pp2_holds_each_stages_adapters_and_trains_as_tp1(tp1, pp2, peft_run):
+    """PP2: each stage holds its layer's adapters (7 modules x A, B); step 0 is the base; the loaded adapter gives
+    PEFT's logprobs and the reference switches it off; losses and grad norms track TP1's; every stage gets every
+    adapter and the merged weights; a checkpoint (one file per stage) resumes exactly."""
+    loaded, _ = peft_run
+    assert [r["stage_adapters"] for r in pp2] == [2 * 7, 2 * 7]
+    for r in pp2:  # the last stage's logprobs, broadcast to every stage
+        torch.testing.assert_close(r["step0"], tp1["base_logp"], atol=1e-5, rtol=0)
+        assert (r["loaded"][0] - loaded).abs().max() < 1e-5
+        torch.testing.assert_close(r["loaded"][1], tp1["base_logp"], atol=1e-5, rtol=0)
+    for (loss1, norm1), (loss2, norm2) in zip(tp1["steps"], pp2[0]["steps"]):
+        assert abs(loss2 - loss1) <= 1e-5 * abs(loss1) and abs(norm2 - norm1) <= 1e-5 * norm1
+    assert pp2[0]["steps"] == pp2[1]["steps"]
+    for r in pp2:
+        assert r["adapters"].keys() == tp1["adapters"].keys()
+        for key, tensor in tp1["adapters"].items():
+            torch.testing.assert_close(r["adapters"][key], tensor, atol=1e-5, rtol=0)
+        assert r["merged"].keys() == tp1["merged"].keys()
+        for name, tensor in tp1["merged"].items():
+            torch.testing.assert_close(r["merged"][name], tensor, atol=1e-5, rtol=0)
+    assert [r["resumed"] for r in pp2] == [pp2[0]["steps"][2:]] * 2
 
 
 def _fsdp_then_export(rank, world, path, out):

@@ -3,7 +3,8 @@
 Tiny random Qwen3-MoE checkpoints (transformers' Qwen3MoeConfig, fp32): logits equal transformers' at TP1, TP2
 and EP2 (dense and sparse layers mixed; norm_topk_prob on and off); weights round-trip HF -> megatron -> HF bit for
 bit at each; a training step's loss and grad norm equal train=fsdp's (transformers' modeling) and TP1's at TP2,
-PP2, CP2 and EP2 (the latter with DP ranks of unequal micro-batch counts); export_hf and an EP2 checkpoint resume.
+PP2, CP2 and EP2 (the latter with DP ranks of unequal micro-batch counts); export_hf and an EP2 checkpoint resume;
+LoRA on the attention agrees with fsdp's and at EP2.
 The router's load-balancing loss is off everywhere (coefficient 0, the default): transformers adds its own only with
 output_router_logits and labels, which train=fsdp never passes.
 
@@ -37,6 +38,8 @@ CHECKPOINTS = {
     "sparse_step": dict(num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False),
 }
 TRAIN = "mixed"
+LORA = LoraConfig(rank=4, alpha=16.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+"""LoRA on a MoE model adapts its attention (the experts are fused tensors PEFT does not adapt)."""
 EP2_ROWS = list(range(7))
 """The EP2 step's batch: 7 rows, so DP rank 0 has 4 (2 micro-batches of <= 3) and rank 1 has 3 (one): the EP peers
 must still run the same number of micro-batches."""
@@ -124,6 +127,14 @@ def _one_rank(rank, world, path, export):
     out["fsdp_weights"] = {name: t.clone() for name, t in fsdp.iter_full_weights()}
     aux = MegatronBackend(path, TrainConfig(**AUX_CFG, micro_batch_samples=3), total_steps=1)
     out["aux_tp1"] = _steps(aux, batch, 1)
+    fsdp_lora = FSDPBackend(path, TrainConfig(**CFG, micro_batch_samples=8, lora=LORA), total_steps=3)
+    fsdp_lora.export_adapter(Path(export) / "lora_init")
+    out["fsdp_lora"] = _steps(fsdp_lora, batch)
+    megatron_lora = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=8, lora=LORA), total_steps=3)
+    megatron_lora.load_adapter(Path(export) / "lora_init")
+    out["megatron_lora"] = _steps(megatron_lora, batch)
+    seven_lora = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=3, lora=LORA), total_steps=2)
+    out["tp1_rows7_lora"] = _steps(seven_lora, batch.select(EP2_ROWS), 2)
     out["refused"] = []
     for bad in (dict(CFG, ep=2), dict(CFG, lora=LoraConfig(rank=4))):
         try:
@@ -169,6 +180,9 @@ def _two_ranks(rank, world, path, ckpt):
     resumed = MegatronBackend(path, train, total_steps=3)
     resumed.load(ckpt)
     out["ep2_resumed"] = _steps(resumed, rows, 2)
+    parallel_state.destroy_model_parallel()
+    ep2_lora = MegatronBackend(path, TrainConfig(**CFG, ep=2, micro_batch_samples=3, lora=LORA), total_steps=2)
+    out["ep2_lora"] = _steps(ep2_lora, batch.select(EP2_ROWS[ep2_lora.dp_rank::ep2_lora.dp_size]), 2)
     return out
 
 
@@ -341,6 +355,17 @@ def test_load_balancing_loss_is_an_option_and_tp2_equals_tp1(one_rank, two_ranks
         assert _close(two_ranks[rank]["aux_tp2"], out["aux_tp1"], 1e-5), (two_ranks[rank]["aux_tp2"], out["aux_tp1"])
 
 
+def test_lora_on_the_attention_of_a_moe_model_agrees_with_fsdp_and_at_ep2(one_rank, two_ranks):
+    """LoRA on q/k/v/o of the MoE model: megatron from fsdp's initial adapter (its PEFT export) takes the same three
+    steps (loss, grad norm) as fsdp; EP2 from the seeded initial adapter the same two steps as TP1 on those rows."""
+    out, _ = one_rank
+    assert _close(out["megatron_lora"], out["fsdp_lora"], 1e-5), (out["megatron_lora"], out["fsdp_lora"])
+    assert out["fsdp_lora"][-1][0] < out["fsdp_lora"][0][0]  # it trained
+    for rank in range(2):
+        assert _close(two_ranks[rank]["ep2_lora"], out["tp1_rows7_lora"], 1e-5), (
+            two_ranks[rank]["ep2_lora"], out["tp1_rows7_lora"])
+
+
 def test_ep2_checkpoint_resume_reproduces_the_next_steps_exactly(two_ranks):
     for rank in range(2):
         assert two_ranks[rank]["ep2_resumed"] == two_ranks[rank]["ep2_next"]
@@ -350,5 +375,5 @@ def test_unsupported_moe_settings_are_refused_with_the_fix(one_rank, two_ranks):
     out, _ = one_rank
     ep, lora = out["refused"]
     assert "train.ep=2 must divide" in ep and "data-parallel size (1" in ep
-    assert "train.lora" in lora and "MoE" in lora
+    assert "train.lora.target_modules=" in lora and "routed experts" in lora and "[q_proj,k_proj,v_proj,o_proj]" in lora
     assert "moe_aux_loss_coeff" in two_ranks[0]["aux_pp2"] and "train.pp=1" in two_ranks[0]["aux_pp2"]

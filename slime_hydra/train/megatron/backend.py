@@ -56,7 +56,8 @@ only the adapters (and the biases train.lora.bias names). The reference policy i
 switched off (and trained biases swapped back). ``iter_full_weights``/``export_hf`` give merged weights
 W + s * B A; ``iter_adapter_weights``/``export_adapter`` the full A and B under PEFT's keys; ``load_adapter`` reads a
 PEFT directory; checkpoints hold the adapters and their optimizer state (the base reloads from the model path).
-Refused with LoRA: pp > 1, dropout with tp > 1, sequence parallelism and the rest of
+With pp > 1 each stage holds its layers' adapters (``iter_adapter_weights`` sends them to every stage).
+Refused with LoRA: dropout with tp > 1, sequence parallelism and the rest of
 train/config.megatron_lora_problems (config validation refuses them first). PPO's critic trains fully.
 
 Mixture of experts (Qwen3-MoE; moe.py): megatron's MoELayer in the sparse layers, experts TP-split like dense MLPs.
@@ -71,7 +72,7 @@ and micro-batch) is off unless ``train.megatron.moe_aux_loss_coeff`` > 0; each m
 main loss (units(micro) / units(global) * dp, through megatron's MoEAuxLossAutoScaler), so pp > 1 is refused with
 it; train=fsdp trains without one, so the two are compared with it off.
 
-Not supported: expert parallelism with PP or CP, LoRA on MoE models; ring attention or packed (THD) sequences under
+Not supported: expert parallelism with PP or CP, LoRA on routed experts (on a MoE model's attention it works); ring attention or packed (THD) sequences under
 CP.
 """
 
@@ -128,11 +129,11 @@ class MegatronBackend(TrainBackend):
         self.arch = Arch.from_hf(self.hf_config,
                                  moe_aux_loss_coeff=float(train.megatron.get("moe_aux_loss_coeff", 0.0)))
         lora = train.lora.enabled and role == "actor"  # PPO's critic trains fully
-        refused = megatron_moe_problems(replace(train, num_gpus=world), self.arch.num_experts, lora)
+        refused = megatron_moe_problems(replace(train, num_gpus=world), self.arch.num_experts)
         if refused:
             raise ValueError("train=megatron: " + "; ".join(map(str, refused)))
         if lora:
-            refused = megatron_lora_problems(train.lora, train.tp, train.pp, self.arch.num_kv_heads,
+            refused = megatron_lora_problems(train.lora, train.tp, self.arch.num_kv_heads,
                                              self.arch.fused_gate_up, self.arch.qkv_bias, train.megatron)
             if refused:
                 raise ValueError("train=megatron with train.lora: " + "; ".join(map(str, refused)))
@@ -207,7 +208,8 @@ class MegatronBackend(TrainBackend):
     def _attach_lora(self, low: torch.dtype) -> MegatronLora:
         """Adapters on the targeted linears (lora.py); every base parameter frozen (but the biases train.lora.bias
         names) and, with bf16 compute, kept in bf16 without an fp32 master."""
-        lora = MegatronLora(self.model, self.arch, self.train_cfg.lora, self.tp_group)
+        lora = MegatronLora(self.model, self.arch, self.train_cfg.lora, self.tp_group,
+                            self.pp_group if self.pp_size > 1 else None)
         adapters = lora.parameter_names()
         self._tp_split |= lora.tp_split_names()
         for name, param in stage_parameters(self.model).items():
@@ -397,8 +399,8 @@ class MegatronBackend(TrainBackend):
         yield from transformers_names(weights if self.lora is None else self.lora.merged(weights), self.arch)
 
     def iter_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """train.lora: (adapter key, full A or B) of every adapter, in HF order, gathered over TP. Collective over
-        the replica's TP group."""
+        """train.lora: (adapter key, full A or B) of every adapter, in HF order, gathered over TP and sent to every
+        pipeline stage. Collective over the replica's TP and PP groups."""
         if self.lora is None:
             return super().iter_adapter_weights()
         return self.lora.iter_full()

@@ -43,7 +43,8 @@ class Gradients:
         self.model, self.device = model, device
         self.params = {name: p for name, p in params.items() if p.requires_grad}
         self._experts, self.ep_group, self.expert_dp_group = set(experts), ep_group, expert_dp_group
-        self._tp_split, self._tied_copy, self._shared = tp_split, tied_copy, shared
+        self._tp_split, self._tied_copy = tp_split, tied_copy
+        self._shared = shared if shared is not None and shared.requires_grad else None  # frozen under LoRA
         self._tp_partial = [n for n in self.params if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
         self.tp_group, self.pp_group, self.dp_cp_group = tp_group, pp_group, dp_cp_group
         self.tp_size, self.pp_size = dist.get_world_size(tp_group), dist.get_world_size(pp_group)

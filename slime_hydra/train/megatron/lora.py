@@ -118,8 +118,10 @@ class MegatronLora:
     """The adapters of one pipeline stage's GPTModel: attached to its linears, their names, full gathers, loading,
     merged weights, and the switch for the reference policy."""
 
-    def __init__(self, model, arch: Arch, lora: LoraConfig, tp_group):
-        self.arch, self.lora, self.tp_group = arch, lora, tp_group
+    def __init__(self, model, arch: Arch, lora: LoraConfig, tp_group, pp_group=None):
+        """pp_group: the pipeline group when pp > 1 (each stage holds its layers' adapters; ``iter_full`` sends
+        them to every stage)."""
+        self.arch, self.lora, self.tp_group, self.pp_group = arch, lora, tp_group, pp_group
         self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
         self.entries: list[tuple[str, str, Adapter, str]] = []
         """(HF module path, megatron name prefix of its adapter, adapter, TP kind) in HF state-dict order."""
@@ -135,6 +137,10 @@ class MegatronLora:
             for path, parent, modules, kind in LINEARS:
                 if not set(modules) & set(lora.target_modules):
                     continue
+                if path.startswith("mlp.") and not hasattr(layer.mlp, "linear_fc1"):
+                    raise ValueError(f"train.lora.target_modules={list(lora.target_modules)}: layer {g} holds its "
+                                     "MLP as routed experts, which LoRA does not adapt; adapt the attention: "
+                                     "train.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
                 linear = layer.get_submodule(path)
                 local = {m: (i // t, o) if kind == "row" else (i, o // t) for m, (i, o) in
                          ((m, shapes[m]) for m in modules)}
@@ -162,11 +168,8 @@ class MegatronLora:
 
     def _shard(self, full: torch.Tensor, which: str, kind: str) -> torch.Tensor:
         """This TP rank's part: column B rows, row A columns, the rest replicated."""
-        if (kind, which) == ("column", "B"):
-            return full.chunk(self.tp_size, dim=0)[self.tp_rank]
-        if (kind, which) == ("row", "A"):
-            return full.chunk(self.tp_size, dim=1)[self.tp_rank]
-        return full
+        dim = _split_dim(kind, which)
+        return full if dim is None else full.chunk(self.tp_size, dim=dim)[self.tp_rank]
 
     def parameter_names(self) -> set[str]:
         """Megatron names (global layer numbers) of every adapter parameter."""
@@ -193,16 +196,41 @@ class MegatronLora:
 
     @torch.no_grad()
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(adapter key, full A or B) of every adapter in HF order, gathered over TP. Collective over TP."""
-        for module, _, adapter, kind in self.entries:
-            for which, local in (("A", adapter.A), ("B", adapter.B)):
-                dim = {("column", "B"): 0, ("row", "A"): 1}.get((kind, which))
-                if dim is None or self.tp_size == 1:
-                    yield adapter_key(module, which), local.detach().clone()
-                    continue
-                parts = [torch.empty_like(local) for _ in range(self.tp_size)]
-                dist.all_gather(parts, local.detach().contiguous(), group=self.tp_group)
-                yield adapter_key(module, which), torch.cat(parts, dim=dim)
+        """(adapter key, full A or B) of every adapter of the model in HF order, gathered over TP on the stage that
+        holds it and (pp > 1) broadcast from there over PP: every rank gets every adapter. Collective over TP and
+        PP."""
+        mine = [(adapter_key(module, which), tuple(getattr(adapter, which).shape), kind, which)
+                for module, _, adapter, kind in self.entries for which in "AB"]
+        stages = 1 if self.pp_group is None else dist.get_world_size(self.pp_group)
+        held = [mine]
+        if stages > 1:  # every stage's keys and local shapes, stage by stage: layers follow the stages in order
+            held = [None] * stages
+            dist.all_gather_object(held, mine, group=self.pp_group)
+        me = 0 if stages == 1 else dist.get_rank(self.pp_group)
+        local = {adapter_key(module, w): getattr(adapter, w) for module, _, adapter, _ in self.entries for w in "AB"}
+        device = next(iter(local.values())).device if local else torch.device("cpu")
+        for stage, entries in enumerate(held):
+            for key, shape, kind, which in entries:
+                if stage == me:
+                    tensor = self._gathered(local[key].detach(), kind, which)
+                else:
+                    dim = _split_dim(kind, which)
+                    full = list(shape)
+                    if dim is not None:
+                        full[dim] *= self.tp_size
+                    tensor = torch.empty(full, device=device)
+                if stages > 1:
+                    dist.broadcast(tensor, src=dist.get_global_rank(self.pp_group, stage), group=self.pp_group)
+                yield key, tensor
+
+    def _gathered(self, local: torch.Tensor, kind: str, which: str) -> torch.Tensor:
+        """The full A or B from this TP rank's part (all-gathered over TP where it is split)."""
+        dim = _split_dim(kind, which)
+        if dim is None or self.tp_size == 1:
+            return local.clone()
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=dim)
 
     @torch.no_grad()
     def load(self, adapter_dir: str | Path) -> None:
@@ -230,6 +258,11 @@ class MegatronLora:
             module = name[:-len(".weight")] if name.endswith(".weight") else None
             a = full.get(adapter_key(module, "A")) if module else None
             yield name, tensor if a is None else merge(tensor, a, full[adapter_key(module, "B")], self.lora.scale)
+
+
+def _split_dim(kind: str, which: str):
+    """The dimension TP splits: column-parallel B's rows, row-parallel A's columns; None: replicated."""
+    return {("column", "B"): 0, ("row", "A"): 1}.get((kind, which))
 
 
 def trainable_bias(name: str, lora: LoraConfig) -> bool:
