@@ -204,7 +204,7 @@ class Session:
             engines.append(actor.remote(i, str(self.model_path), str(self.run_dir / "logs"), dtype=d.engine_dtype,
                                         max_batch_size=cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt,
                                         torch_threads=self.cpu_threads, sglang=sglang, gpu_ids=gpu_ids[i],
-                                        lora=lora))
+                                        lora=lora, return_routed_experts=cfg.algo.routing_replay))
         self.manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
             cfg, str(self.model_path), str(self.run_dir), engines)
         self.engine_urls = ray.get(self.manager.start.remote())
@@ -350,7 +350,8 @@ class Session:
         """Old/ref logprobs and values, advantages, then the optimizer steps of one rollout batch."""
         cfg, algo = self.cfg, self.cfg.algo
         with timer.phase("logprobs"):
-            batch = to_train_batch(samples, self.pad_id, cfg.reward.reward_key)
+            routing = (cfg.model.num_layers, cfg.model.moe_top_k) if cfg.algo.routing_replay else None
+            batch = to_train_batch(samples, self.pad_id, cfg.reward.reward_key, routing)
             temperature = cfg.rollout.temperature
             old = (self.trainer.logprobs(batch, "current", temperature)[0]
                    if needs_old_logprobs(algo, self.d.optimizer_steps_per_rollout) else None)

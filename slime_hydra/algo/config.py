@@ -73,6 +73,11 @@ class AlgoConfig:
     """Masked importance sampling: tokens whose trainer-old / rollout probability ratio lies outside
     [1 / mis_cap, mis_cap] leave the policy-gradient loss (e.g. 2.0); null off. For the train-vs-rollout mismatch
     that remains (train/train_rollout_*), next to or instead of tis_cap."""
+    routing_replay: bool = False
+    """MoE models: the trainer's forward passes (old, reference and training) route every token to the experts the
+    engine chose for it (rollout routing replay), so rollout and training route alike; the engines report them
+    (--enable-return-routed-experts). Off: the trainer's routers choose anew, and a near-tie that flips adds to
+    the train-vs-rollout logprob gap."""
     dynamic_filter: Optional[str] = None
     """Group filter for dynamic sampling: nonzero_std (DAPO) or a dotted path to fn(group) -> bool | (bool, reason)."""
     overlong_buffer_tokens: int = non_negative(0)

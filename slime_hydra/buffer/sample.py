@@ -6,6 +6,10 @@ A group is the ``n_samples_per_prompt`` samples that share a ``group_index`` (on
     loss_mask, rollout_log_probs: one entry per response token (rollout_log_probs may be empty when the engine did
     not return logprobs)
 
+``routed_experts`` (MoE models, ``algo.routing_replay``) is the engine's routing of ``tokens``, as the newest /generate
+answer reported it: each answer covers every position it ran (the whole sequence but its last token), so it replaces
+the one before.
+
 ``weight_version`` is the policy version whose weights produced the sample's *first* response token; a partial
 rollout resumed under newer weights keeps it, so staleness is measured from the oldest token.
 """
@@ -61,6 +65,10 @@ class Sample:
     """Reward: a float, or a dict of named values (reward.reward_key picks the scalar); None before scoring."""
     weight_version: int = 0
     """Policy version that produced the first response token (meaningful once response_length > 0)."""
+    routed_experts: str = ""
+    """MoE models with algo.routing_replay: the experts the engine's routers chose for the first tokens of
+    ``tokens`` (the latest /generate answer's ``meta_info.routed_experts``, slime_hydra/routed_experts.py: every
+    position it ran, prompt and response); "" when the engine returned none."""
     status: Status = Status.PENDING
     """pending | completed | truncated | aborted | failed."""
 

@@ -220,6 +220,13 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"{why} compares samples of one prompt, so it needs rollout.n_samples_per_prompt > 1 "
                       f"(got {cfg.rollout.n_samples_per_prompt})",
                       "set rollout.n_samples_per_prompt=8 (or more)")
+    if a.routing_replay and not cfg.model.is_moe:
+        yield Problem(("algo.routing_replay", "model.num_experts"), f"routing replay replays the experts a MoE "
+                      f"model's routers chose; model={cfg.model.name} is dense", "set algo.routing_replay=false")
+    if a.routing_replay and cfg.rollout.backend == "sglang":
+        yield Problem(("algo.routing_replay", "rollout.backend"), "sglang-router 0.3.2 drops return_routed_experts "
+                      "from the /generate bodies it forwards, so SGLang servers behind it would report no routed "
+                      "experts", "use rollout=embedded, or set algo.routing_replay=false")
 
 
 def check_lora(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:

@@ -8,7 +8,8 @@ A generate function has the signature (a plug-in contract, docs/architecture.md)
 it, so embedded engines and SGLang servers are interchangeable), ``ctx.tokenizer``, ``ctx.rollout`` (the rollout
 config) and ``ctx.max_context_tokens``. ``sampling_params`` is SGLang's dict (temperature, top_p, top_k,
 max_new_tokens ...). A hook fills ``tokens``, ``response``, ``response_length``, ``loss_mask``,
-``rollout_log_probs``, ``weight_version`` and ``status`` and returns the sample. ``rollout.generate`` names a hook
+``rollout_log_probs``, ``weight_version`` and ``status`` (and ``routed_experts``, when the engine reports them:
+``apply_output`` does all of it for one /generate answer) and returns the sample. ``rollout.generate`` names a hook
 by dotted path (``slime_hydra.rollout.tools.calculator_generate`` is a worked multi-turn example).
 
 The default generate sends ``sample.tokens`` (the prompt, plus the partial response of a recycled sample) with
@@ -70,6 +71,8 @@ def apply_output(sample: Sample, out: dict, loss_mask_value: int = 1) -> Sample:
     sample.loss_mask = sample.loss_mask + [loss_mask_value] * len(new_ids)
     sample.rollout_log_probs = sample.rollout_log_probs + logprobs
     sample.response = sample.response + out.get("text", "")
+    if "routed_experts" in meta:  # covers every position this call ran: the whole sequence so far
+        sample.routed_experts = meta["routed_experts"]
     reason = (meta.get("finish_reason") or {}).get("type", "length")
     sample.status = FINISH_STATUS.get(reason, Status.FAILED)
     return sample

@@ -7,15 +7,20 @@ Layout of a batch of B samples (sample i has prompt length P_i and response leng
     response_start [B]     P_i: index of the first response token in input_ids
     loss_mask      [B, T]  T = max_i R_i; the sample's loss mask over its response tokens, 0 on padding
     extras         name -> [B, T] or [B] tensors the loss reads (advantages, old/ref/rollout logprobs, ...)
+    routed_experts [B, L, num_layers, top_k] int16 or None: MoE routing replay (algo.routing_replay), the experts
+                   the engine chose for the token at each position and layer; -1 (NO_EXPERT): the trainer routes it
 
 Token j of the response (input_ids[i, P_i + j]) is predicted by the logits at position P_i + j - 1, so every
 response-aligned tensor has column j <-> response token j. Engines report rollout logprobs in the same layout.
 """
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
+
+from slime_hydra.routed_experts import NO_EXPERT
 
 
 @dataclass
@@ -25,6 +30,7 @@ class TrainBatch:
     response_start: torch.Tensor
     loss_mask: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    routed_experts: Optional[torch.Tensor] = None
 
     @property
     def size(self) -> int:
@@ -41,14 +47,16 @@ class TrainBatch:
         sub_len = int(self.attention_mask[idx].sum(-1).max())
         sub_resp = int((self.attention_mask[idx].sum(-1) - self.response_start[idx]).max())
         extras = {k: (v[idx, :sub_resp] if v.dim() == 2 else v[idx]) for k, v in self.extras.items()}
+        routed = None if self.routed_experts is None else self.routed_experts[idx, :sub_len]
         return TrainBatch(self.input_ids[idx, :sub_len], self.attention_mask[idx, :sub_len],
-                          self.response_start[idx], self.loss_mask[idx, :sub_resp], extras)
+                          self.response_start[idx], self.loss_mask[idx, :sub_resp], extras, routed)
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         """This batch on ``device``; host-to-GPU copies are queued without waiting for the GPU (see to_device)."""
         return TrainBatch(to_device(self.input_ids, device), to_device(self.attention_mask, device),
                           to_device(self.response_start, device), to_device(self.loss_mask, device),
-                          {k: to_device(v, device) for k, v in self.extras.items()})
+                          {k: to_device(v, device) for k, v in self.extras.items()},
+                          None if self.routed_experts is None else to_device(self.routed_experts, device))
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -61,10 +69,13 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 
 def collate(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], loss_masks: Sequence[Sequence[int]],
-            pad_id: int, extras: dict[str, Sequence] | None = None) -> TrainBatch:
+            pad_id: int, extras: dict[str, Sequence] | None = None,
+            routed_experts: Optional[Sequence[np.ndarray]] = None) -> TrainBatch:
     """Pad samples (tokens = prompt + response ids) into a TrainBatch.
 
     extras values are per-sample lists over response tokens (padded with 0 to [B, T]) or per-sample scalars ([B]).
+    routed_experts: per sample, [n, num_layers, top_k] experts of its first n <= len(tokens) positions (padded with
+    NO_EXPERT to [B, L, num_layers, top_k]).
     """
     lengths = [len(t) for t in tokens]
     if any(r <= 0 or r > n for r, n in zip(response_lengths, lengths)):
@@ -89,7 +100,15 @@ def collate(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], lo
             for i, row in enumerate(values):
                 out[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
             padded[name] = out
-    return TrainBatch(input_ids, attention_mask, response_start, loss_mask, padded)
+    routed = None
+    if routed_experts is not None:
+        routed = torch.full((b, max_len, *routed_experts[0].shape[1:]), NO_EXPERT, dtype=torch.int16)
+        for i, (seq, experts) in enumerate(zip(tokens, routed_experts)):
+            if len(experts) > len(seq):
+                raise ValueError(f"sample {i}: routed experts for {len(experts)} positions of a {len(seq)}-token "
+                                 "sequence")
+            routed[i, :len(experts)] = torch.from_numpy(np.ascontiguousarray(experts))
+    return TrainBatch(input_ids, attention_mask, response_start, loss_mask, padded, routed)
 
 
 def micro_batches(batch: TrainBatch, micro_batch_samples: int, max_tokens: int | None = None) -> list[list[int]]:

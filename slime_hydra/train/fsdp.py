@@ -22,6 +22,9 @@ value head), trains with ``train.critic_lr``, and its forward yields values in p
 Colocated with engines on GPUs, ``offload`` moves parameters and optimizer state to the host while the engines
 generate and ``onload`` brings them back (train/offload.Offloadable).
 
+Routing replay (MoE actors, train/routing_replay.py): a batch with ``routed_experts`` is routed as the engine routed
+it, in every forward (old, reference and training logprobs); a batch without them is routed by the model.
+
 Reference policy: the initial weights' local shards are kept on the host; ``logprobs(..., policy="ref")`` copies
 them into the parameters, runs the forward, and copies the trained shards back (slime's swap; no second GPU copy).
 
@@ -57,6 +60,7 @@ from slime_hydra.train.backend import (
 )
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
+from slime_hydra.train.routing_replay import RoutingReplay, moe_routers
 from slime_hydra.train.optim import build_optimizer
 from slime_hydra.train.lora import merged_weights, peft_adapter_weights, peft_config, seeded_init
 
@@ -91,6 +95,8 @@ class FSDPBackend(TrainBackend):
             with seeded_init():
                 model = get_peft_model(model, peft_config(train.lora), autocast_adapter_dtype=True)
         model.to(self.device)
+        # MoE actors: every forward can replay the engine's routing (batch.routed_experts, algo.routing_replay)
+        self.replay = RoutingReplay(hf.model.layers) if role == "actor" and moe_routers(hf.model.layers) else None
         self.compiled = train.compile if train.compile is not None else self.device.type == "cuda"
         self._head = torch.compile(response_logprobs) if self.compiled else response_logprobs
         if self.compiled:  # the forward only: FSDP's hooks (dynamo-disabled) run eagerly around it
@@ -128,8 +134,9 @@ class FSDPBackend(TrainBackend):
             out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
             return response_values(out, mb), None
         keep = mb.input_ids.shape[1] - first
-        out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
-                         logits_to_keep=keep).logits
+        with self.replay.replaying(mb.routed_experts) if self.replay is not None else nullcontext():
+            out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
+                             logits_to_keep=keep).logits
         return self._head(out, mb, temperature, with_entropy, first)
 
     @torch.no_grad()

@@ -11,21 +11,32 @@ from typing import Optional, Sequence
 
 import torch
 
+from slime_hydra import routed_experts
 from slime_hydra.algo import compute_advantages, compute_kl, overlong_penalty
 from slime_hydra.algo.config import AlgoConfig
 from slime_hydra.buffer.sample import Sample
 from slime_hydra.train.batch import TrainBatch, collate
 
 
-def to_train_batch(samples: Sequence[Sample], pad_id: int, reward_key: Optional[str] = None) -> TrainBatch:
-    """Pad samples into a TrainBatch; extras: rewards [B] and rollout_logprobs [B, T] when the engine gave them."""
+def to_train_batch(samples: Sequence[Sample], pad_id: int, reward_key: Optional[str] = None,
+                   routing: Optional[tuple[int, int]] = None) -> TrainBatch:
+    """Pad samples into a TrainBatch; extras: rewards [B] and rollout_logprobs [B, T] when the engine gave them.
+    routing: (num_layers, top_k) with algo.routing_replay: every sample's routed experts go into
+    ``batch.routed_experts`` (a sample without them is an error: the engine was not asked for them)."""
     if any(s.response_length == 0 for s in samples):
         raise ValueError("samples with an empty response cannot be trained on (drop or mark them failed first)")
     extras: dict[str, list] = {"rewards": [s.scalar_reward(reward_key) for s in samples]}
     if all(len(s.rollout_log_probs) == s.response_length for s in samples):
         extras["rollout_logprobs"] = [s.rollout_log_probs for s in samples]
+    experts = None
+    if routing is not None:
+        missing = [s.index for s in samples if not s.routed_experts]
+        if missing:
+            raise ValueError(f"algo.routing_replay: samples {missing[:8]} came without routed experts (the engines "
+                             "must run with --enable-return-routed-experts and report them in every answer)")
+        experts = [routed_experts.decode(s.routed_experts, *routing) for s in samples]
     return collate([s.tokens for s in samples], [s.response_length for s in samples],
-                   [s.loss_mask for s in samples], pad_id=pad_id, extras=extras)
+                   [s.loss_mask for s in samples], pad_id=pad_id, extras=extras, routed_experts=experts)
 
 
 def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_logprobs: Optional[torch.Tensor],

@@ -27,6 +27,9 @@ INVALID = [
     (("model=tiny_moe", "model.moe_ffn_hidden_size=null"), "model.moe_ffn_hidden_size", "num_experts_per_tok"),
     (("model=tiny_moe", "model.num_experts=0"), "model.num_experts", "family=qwen3_moe is a mixture of experts"),
     (("model.num_experts=4",), "model.family", "family=qwen2 is dense"),
+    (("algo.routing_replay=true",), "algo.routing_replay", "model=tiny is dense"),
+    (("model=qwen3_30b_a3b", "model.path=/ckpt/qwen3_30b_a3b", *GPU8, "rollout=sglang", "algo.routing_replay=true"),
+     "rollout.backend", "drops return_routed_experts"),
     # parallelism
     ((*BIG, "train=megatron", "train.num_gpus=6", "train.tp=4"), "train.num_gpus", "multiple of 4"),
     ((*BIG, "train=megatron", "train.num_gpus=3", "train.tp=3", "train.micro_batch_samples=1"),
@@ -169,8 +172,6 @@ INVALID = [
       "train.micro_batch_samples=1"), "train.ep", "tensor and data parallelism only"),
     (("model=tiny_moe", "train=megatron", "train.ep=4", "train.num_gpus=2", "train.micro_batch_samples=1"),
      "train.ep", "data-parallel size (2"),
-    (("model=tiny_moe", "train=megatron", "train.lora.rank=8", "train.lora.target_modules=[q_proj]"),
-     "train.lora.rank", "LoRA on a MoE model is not built for train=megatron"),
     (("model=tiny_moe", "train=megatron", "train.num_gpus=2", "train.pp=2", "train.micro_batch_samples=1",
       "+train.megatron.moe_aux_loss_coeff=0.01"), "train.megatron.moe_aux_loss_coeff", "set train.pp=1"),
     (("model=qwen3_30b_a3b", "model.path=/ckpt", "train.ep=2", "train.num_gpus=2", "train.micro_batch_samples=1"),

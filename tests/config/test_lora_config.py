@@ -44,6 +44,7 @@ def test_what_lora_can_do_validates():
     assert load(*LORA, "train.lora.bias=all")[1].lora_sync == "merged"  # trained biases travel merged
     assert load(*MEGATRON, "train.num_gpus=2", "train.tp=2")[1].lora_sync == "adapter"
     assert load(*MEGATRON, "train.num_gpus=2", "train.pp=2")[1].lora_sync == "adapter"
+    assert load(*MEGATRON, "model=tiny_moe", "train.lora.target_modules=[q_proj,o_proj]")[1].lora_sync == "adapter"
     assert load(*LORA, "model=tiny_moe", "train.lora.target_modules=[q_proj,o_proj]")[1].lora_sync == "adapter"
     sglang = load(*SGLANG)[1]  # merged weights by a broadcast: SGLang then decodes the plain model
     assert (sglang.lora_sync, sglang.weight_sync) == ("merged", "distributed")

@@ -2,7 +2,10 @@
 (transformers' modeling, FSDP2 over the experts too) and train=megatron (megatron-core's MoE layer), with the
 embedded engine: the KL to the reference is 0 at step 0,
 the engine's logprobs match the trainer's after every sync (the dense gate), and the weight sync carries every
-expert."""
+expert. The megatron run replays the engine's routing (algo.routing_replay): every saved sample carries the experts
+of each position the engine ran."""
+
+import json
 
 import pytest
 
@@ -16,14 +19,16 @@ def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_moe_run_keeps_engine_and_trainer_together(tmp_path, backend):
+@pytest.mark.parametrize("backend, replay", [("fsdp", False), ("megatron", True)])
+def test_moe_run_keeps_engine_and_trainer_together(tmp_path, backend, replay):
+    from slime_hydra import routed_experts
     from slime_hydra.config import compose, to_config
     from slime_hydra.model.hf import hf_config
     from transformers import AutoModelForCausalLM
 
     out = launch(f"output_dir={tmp_path}", "run_name=r", "model=tiny_moe", f"train={backend}", "num_steps=3",
-                 "algo.kl_loss_coef=0.001", *SMALL)
+                 "algo.kl_loss_coef=0.001", f"algo.routing_replay={str(replay).lower()}", "debug.save_rollouts=true",
+                 *SMALL)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = train_rows(tmp_path / "r")
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -34,3 +39,12 @@ def test_moe_run_keeps_engine_and_trainer_together(tmp_path, backend):
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert experts == 4 * 8 * 3 * 128 * 96  # layers x experts x (gate, up, down) x hidden x expert width
     assert all(r["sync/bytes"] == sum(t.numel() for t in model.state_dict().values()) * 4 for r in rows)
+    samples = [json.loads(line) for f in sorted((tmp_path / "r" / "rollouts").glob("step_*.jsonl"))
+               for line in f.read_text().splitlines()]
+    assert len(samples) == 3 * 16
+    for sample in samples:
+        if replay:  # 4 layers x top-2, one row per position run: prompt + response - 1
+            experts = routed_experts.decode(sample["routed_experts"], 4, 2)
+            assert experts.shape[0] == len(sample["tokens"]) - 1 and (experts >= 0).all() and (experts < 8).all()
+        else:
+            assert sample["routed_experts"] == ""

@@ -43,17 +43,20 @@ SGLANG_START_TIMEOUT_S = 1200.0
 class EngineActor:
     def __init__(self, index: int, model_path: str, log_dir: str, dtype: str = "auto", max_batch_size: int = 256,
                  torch_threads: Optional[int] = None, sglang: Optional[SGLangLaunch] = None,
-                 gpu_ids: Optional[list[str]] = None, lora: Optional[dict] = None):
+                 gpu_ids: Optional[list[str]] = None, lora: Optional[dict] = None,
+                 return_routed_experts: bool = False):
         """index: engine number (log name, SGLang seed offset); dtype, max_batch_size, torch_threads: embedded
         engine only; sglang: start this SGLang server instead of the embedded engine; gpu_ids: the engine's GPUs
         (``engine_gpu_ids``; default: the ones Ray assigned to this actor); lora: the embedded engine serves the
-        model with these LoRA adapters (a PEFT adapter config; train.lora with adapter sync)."""
+        model with these LoRA adapters (a PEFT adapter config; train.lora with adapter sync); return_routed_experts:
+        the embedded engine reports every token's experts (algo.routing_replay)."""
         self.index, self.model_path, self.dtype = index, model_path, dtype
         self.gpu_ids = gpu_ids
         self.max_batch_size, self.log_dir = max_batch_size, Path(log_dir)
         self.torch_threads = torch_threads
         self.sglang = sglang
         self.lora = lora
+        self.return_routed_experts = return_routed_experts
         self.process: Optional[ServerProcess] = None
         self.port: Optional[int] = None
         self.nccl_port: Optional[int] = None
@@ -78,6 +81,7 @@ class EngineActor:
         if self.sglang is None:
             device = "cuda" if gpu_ids else "cpu"
             extra = ["--lora-config", json.dumps(self.lora)] if self.lora else []
+            extra += ["--enable-return-routed-experts"] if self.return_routed_experts else []
             return embedded_command(self.model_path, host, self.port, device, self.dtype, self.max_batch_size, extra)
         if len(gpu_ids) != self.sglang.tp_size:
             raise RuntimeError(f"engine {self.index} holds GPUs {gpu_ids} from its Ray placement but SGLang runs "

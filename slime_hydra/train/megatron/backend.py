@@ -72,6 +72,9 @@ and micro-batch) is off unless ``train.megatron.moe_aux_loss_coeff`` > 0; each m
 main loss (units(micro) / units(global) * dp, through megatron's MoEAuxLossAutoScaler), so pp > 1 is refused with
 it; train=fsdp trains without one, so the two are compared with it off.
 
+Routing replay (algo.routing_replay): a batch with ``routed_experts`` routes every MoE layer's tokens to the experts
+the engine chose (moe.ReplayedChoice), in every forward; PPO's critic routes itself.
+
 Not supported: expert parallelism with PP or CP, LoRA on routed experts (on a MoE model's attention it works); ring attention or packed (THD) sequences under
 CP.
 """
@@ -86,6 +89,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+from slime_hydra.routed_experts import NO_EXPERT
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, predicting_positions, response_logprobs, response_values)
 from slime_hydra.train.config import TrainConfig, megatron_lora_problems, megatron_moe_problems
@@ -98,6 +102,7 @@ from slime_hydra.train.megatron.gradients import Gradients
 from slime_hydra.train.megatron.lora import MegatronLora, trainable_bias
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
+from slime_hydra.train.megatron.moe import MoE
 from slime_hydra.train.megatron.pipeline import Pipeline
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
 from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, compile_options
@@ -163,6 +168,9 @@ class MegatronBackend(TrainBackend):
                                     use_te=use_te, overrides=overrides, ep=train.ep)
         self.model = build_model(self.arch, config, use_te, self.device, head=self.head)
         load_hf_weights(self.model, model_path, self.arch, head=self.head)
+        self._routers = {layer.layer_number - 1: layer.mlp.router for layer in self.model.decoder.layers
+                         if isinstance(layer.mlp, MoE) and role == "actor"}
+        """0-based layer number -> this stage's MoE routers (routing replay; PPO's critic routes itself)."""
         table = stage_table(self.model, self.arch, self.head)
         self._tp_split = {p.megatron for p in table if p.kind != "replicated"}
         low = compute_dtype(train, self.device)
@@ -265,7 +273,21 @@ class MegatronBackend(TrainBackend):
         if not self.first_stage:
             low = self._compute.dtype if self._compute is not None else hidden.dtype
             self.model.set_input_tensor(hidden.to(low))  # pipeline activations travel in fp32
+        if self._routers:
+            self._route_as_engine(mb)
         return self.model(ids, positions, None)
+
+    def _route_as_engine(self, mb: TrainBatch) -> None:
+        """Routing replay: each MoE router of this stage takes the micro-batch's routed experts for its layer
+        (moe.ReplayedChoice), in the [s, b] order of this rank's CP chunks; a batch without them routes anew."""
+        experts = mb.routed_experts
+        if experts is not None and self.cp_size > 1:
+            tail = padded_length(experts.shape[1], self.cp_size) - experts.shape[1]
+            experts = torch.cat([experts, experts.new_full((experts.shape[0], tail, *experts.shape[2:]), NO_EXPERT)], 1)
+            experts = split_sequence(experts, 1, self.cp_rank, self.cp_size)
+        flat = None if experts is None else experts.transpose(0, 1).reshape(-1, *experts.shape[2:]).long()
+        for layer, router in self._routers.items():
+            router.router_replay.target = None if flat is None else flat[:, layer]
 
     def _head_input(self, module, args):
         """Forward pre-hook of the output layer: hidden states [s, b, H] from the first predicting position on,

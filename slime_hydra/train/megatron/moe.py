@@ -16,6 +16,8 @@ backend's:
   probabilities and routing map of its EP group, runs its local experts on the tokens routed to them, and
   reduce-scatters the outputs back to the tokens' owners (backward: the reverse collectives). The router runs on
   every TP rank on the same tokens, so its gradient is complete there (no TP reduction).
+- *Routing replay* (``ReplayedChoice``): with the engine's routed experts in the batch, each router's top-k takes
+  them (backend.py sets each router's target per micro-batch).
 - *Equal shapes over EP* (``MoE.forward``). EP peers are different data-parallel ranks, whose micro-batches differ
   in shape; the tokens are flattened to [n, 1, H] and zero-padded to the EP group's largest n (one all-reduce of a
   scalar per MoE layer call). A zero token's expert outputs are zero and are cut off, so padding changes nothing
@@ -35,6 +37,8 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+from slime_hydra.routed_experts import NO_EXPERT
 
 
 class _IntoTP(torch.autograd.Function):
@@ -129,6 +133,32 @@ class TokenGather(MoEAllGatherTokenDispatcher):
         return hidden_states.to(dtype)
 
 
+class ReplayedChoice:
+    """A router's choice of experts replaced by the engine's where it reported one (``algo.routing_replay``).
+
+    megatron's top-k routing (``topk_routing_with_score_function``) asks its ``router_replay`` for the top-k of the
+    routing scores; this one takes megatron's own top-k, then puts ``target``'s experts in the rows that have them
+    (-1 rows, and rows past the target's end such as the EP padding, keep their own) and gathers the scores there.
+    The weights are then megatron's function of the scores at the chosen experts, as for its own choice (softmax
+    over the chosen logits, or the softmax / sigmoid scores renormalised and scaled). The load-balancing loss, when
+    on, still counts the router's own top-k. megatron's ``RouterReplay`` registers every instance in a process-wide
+    list and replaces whole choices; this keeps the target per router and merges it row by row."""
+
+    def __init__(self):
+        self.target: torch.Tensor | None = None
+        """[tokens, top_k] int64 experts of this layer for the forward's tokens ([s, b] order), or None."""
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        values, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.target is None:
+            return values, indices
+        target = self.target
+        if target.shape[0] < scores.shape[0]:
+            target = torch.nn.functional.pad(target, (0, 0, 0, scores.shape[0] - target.shape[0]), value=NO_EXPERT)
+        indices = torch.where((target != NO_EXPERT).all(dim=-1, keepdim=True), target, indices)
+        return scores.gather(1, indices), indices
+
+
 class Router(TopKRouter):
     """megatron's TopKRouter (softmax scores, top-k, its load-balancing loss) with its own gating: megatron's moves
     a host weight to CUDA on every call, and its gating function (``router_gating_linear``) reads a
@@ -142,6 +172,7 @@ class Router(TopKRouter):
         super().__init__(config=config, pg_collection=pg_collection)
         self.tp_cp_group = pg_collection.cp
         self.tp_dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.router_replay = ReplayedChoice()
 
     def gating(self, input):
         if self.weight.is_cuda and getattr(moe_utils, "te_general_gemm", None) is not None:

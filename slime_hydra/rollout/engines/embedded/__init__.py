@@ -32,7 +32,9 @@ scores the prompt), ``stop`` (strings; need a tokenizer), ``stop_token_ids``, ``
 ``min_new_tokens``, ``n`` > 1, constrained decoding, ``logit_bias``) are refused with 400 unless at their neutral
 value; unknown keys are refused too. Top level: ``rid`` (default: a fresh uuid), ``return_logprob``,
 ``logprob_start_len`` (-1, the default, returns no prompt logprobs), ``top_logprobs_num``,
-``return_text_in_logprobs``. The fields sglang-router adds to every request it forwards are accepted.
+``return_text_in_logprobs``, ``return_routed_experts`` (MoE models; needs ``--enable-return-routed-experts``, with
+which it defaults to true: sglang-router 0.3.2 drops the field, so the flag alone asks for them). The fields
+sglang-router adds to every request it forwards are accepted.
 
 Each response is ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id``, ``finish_reason``
 (``{"type": "length", "length": n}``, ``{"type": "stop", "matched": token_id | "string"}`` or
@@ -40,7 +42,9 @@ Each response is ``{"text", "output_ids", "meta_info"}``; ``meta_info`` has ``id
 prefix cache), ``weight_version`` and ``e2e_latency``; with ``return_logprob``: ``output_token_logprobs`` as
 ``[[logprob, token_id, None], ...]`` (the third item is the token's text with ``return_text_in_logprobs``),
 ``input_token_logprobs`` (from ``logprob_start_len``; the first prompt token's logprob is None), and with
-``top_logprobs_num`` also ``output_top_logprobs`` / ``input_top_logprobs``.
+``top_logprobs_num`` also ``output_top_logprobs`` / ``input_top_logprobs``; with routed experts,
+``routed_experts``: the experts each layer's router chose for every position run (prompt + response - 1; base64
+int32 [positions, layers, top_k], -1 on dense layers; slime_hydra/routed_experts.py), recorded by ``routing``.
 
 **Logprobs** are ``log_softmax(logits / temperature)`` at the token: the temperature-scaled distribution, before
 top-p / top-k / min-p truncation (what slime's trainer recomputes as ``logits / rollout_temperature``). Greedy
@@ -119,6 +123,7 @@ all of them and uses none.
   -> Requests, a finished Request -> its response dict.
 - ``sampling``: next tokens and their logprobs from logits (temperature, top-k / top-p / min-p, seeded draws).
 - ``slots``: the slot KV cache, the attention that uses it, and the decode CUDA graphs.
+- ``routing``: hooks on a MoE model's routers that record the experts of every token run (also under CUDA graphs).
 - ``runner``: ``ModelRunner``, the model and all work on the model thread (prefill, decode, weights, memory).
 - ``scheduler``: ``Engine``, the queues and the coroutine that hands the runner one step or control operation at a time.
 - ``server``: the aiohttp routes (``build_app``) and ``read_checkpoint``.

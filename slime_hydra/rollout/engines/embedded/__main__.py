@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a PEFT LoRA adapter config as JSON (adapter_config.json's content): serve the model with "
                              "these adapter modules (B = 0 until a weight update sets them, or named adapters of this "
                              "shape loaded by /load_lora_adapter), applied at run time")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="MoE models: answer every /generate with meta_info.routed_experts, the experts each layer "
+                             "chose for every token run (slime_hydra/routed_experts.py), for routing replay")
     parser.add_argument("--max-request-mb", type=int, default=4096, help="largest request body accepted")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
@@ -79,7 +82,8 @@ def main(argv=None) -> None:
     engine = Engine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                     cuda_graph=not args.disable_cuda_graph,
                     context_length=args.context_length, tokenizer_path=args.tokenizer_path,
-                    weight_version=args.weight_version, host=args.host, port=args.port, lora=args.lora_config)
+                    weight_version=args.weight_version, host=args.host, port=args.port, lora=args.lora_config,
+                    return_routed_experts=args.enable_return_routed_experts)
     runner = engine.runner
     logger.info("loaded %s on %s (%s) in %.1f s; tokenizer: %s; pid %d", runner.model_path, runner.device,
                 runner.dtype, time.monotonic() - started, runner.tokenizer_path, os.getpid())

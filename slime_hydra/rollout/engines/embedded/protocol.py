@@ -13,6 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
+from slime_hydra import routed_experts
+
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this decode greedily (SGLang's threshold)."""
 
@@ -32,7 +34,8 @@ _NO_EFFECT = {"spaces_between_special_tokens", "stream_interval"}
 _OFF_ONLY = ("stream", "return_hidden_states", "return_entropy", "return_bytes", "background",
              "custom_logit_processor", "image_data", "audio_data", "video_data", "input_embeds", "token_ids_logprob")
 _IGNORED_FIELDS = ("model", "log_metrics", "no_logs", "priority", "data_parallel_rank")
-_PER_PROMPT_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "lora_path")
+_PER_PROMPT_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "lora_path",
+                      "return_routed_experts")
 
 
 @dataclass
@@ -106,7 +109,8 @@ class Request:
 
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, return_logprob: bool,
                  logprob_start_len: int, top_logprobs_num: int, return_text_in_logprobs: bool,
-                 generator: Optional[torch.Generator], adapter: Optional[str] = None):
+                 generator: Optional[torch.Generator], adapter: Optional[str] = None,
+                 return_routed_experts: bool = False):
         self.rid = rid
         self.adapter = adapter
         """The named LoRA adapter it runs with (``lora_path``; None: the model as served)."""
@@ -120,6 +124,8 @@ class Request:
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top: list[list[tuple[float, int]]] = []
+        self.routed_experts: Optional[list[torch.Tensor]] = [] if return_routed_experts else None
+        """The experts of every position run so far, in chunks [positions, num_layers, top_k] (None: not asked)."""
         self.input_logprobs: Optional[list[Optional[float]]] = None
         self.input_top: Optional[list[Optional[list[tuple[float, int]]]]] = None
         self.finish_reason: Optional[dict] = None
@@ -178,11 +184,11 @@ def parse_generate(body: dict, make_request: Callable[..., Request]) -> tuple[li
 
     columns = {key: column(key, default) for key, default in
                (("sampling_params", None), ("rid", None), ("return_logprob", False), ("logprob_start_len", -1),
-                ("top_logprobs_num", 0), ("lora_path", None))}
+                ("top_logprobs_num", 0), ("lora_path", None), ("return_routed_experts", None))}
     with_text = bool(body.get("return_text_in_logprobs", False))
     reqs = [make_request(p, columns["sampling_params"][i], columns["rid"][i], columns["return_logprob"][i],
                          columns["logprob_start_len"][i], columns["top_logprobs_num"][i], with_text,
-                         columns["lora_path"][i])
+                         columns["lora_path"][i], columns["return_routed_experts"][i])
             for i, p in enumerate(prompts)]
     if len({r.rid for r in reqs}) != len(reqs):
         raise RequestError("rids repeat within the batch")
@@ -213,6 +219,9 @@ def response(r: Request, tokenizer, weight_version: str) -> dict:
             meta["output_top_logprobs"] = [_logprob_items(tokenizer, top, with_text) for top in r.output_top]
             meta["input_top_logprobs"] = [None if top is None else _logprob_items(tokenizer, top, with_text)
                                           for top in (r.input_top or [])]
+    if r.routed_experts is not None:  # the positions run: all but the last output token, which was never an input
+        meta["routed_experts"] = (routed_experts.encode(torch.cat(r.routed_experts)[:max(r.num_tokens - 1, 0)])
+                                  if r.routed_experts else "")  # aborted before its prefill
     return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
 
 

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError
+from slime_hydra.rollout.engines.embedded.routing import RoutingCapture
 from slime_hydra.rollout.engines.embedded.sampling import sample, score_prompt
 from slime_hydra.rollout.engines.embedded.slots import DecodeGraphs, GraphCaptureError, SlotKV, register_attention
 from slime_hydra.weight_transport import adapter_key, destroy_weight_update_group, split_adapter_key
@@ -42,10 +43,12 @@ class ModelRunner:
     """A causal LM, its tokenizer and EOS ids, the running batch in its KV slots, and the weights' version label."""
 
     def __init__(self, model_path: str, device: str, dtype: str, max_batch_size: int, context_length: Optional[int],
-                 tokenizer_path: Optional[str], weight_version: str, cuda_graph: bool, lora: Optional[dict] = None):
+                 tokenizer_path: Optional[str], weight_version: str, cuda_graph: bool, lora: Optional[dict] = None,
+                 return_routed_experts: bool = False):
         """lora: a PEFT LoRA adapter config (adapter_config.json's dict): its adapters are added to the model (B = 0,
         so the function is still the base model's until an update sets them) and kept in fp32, as the trainer's
-        PEFT model keeps them: each adapted linear computes W x + (lora_alpha / r) B A x on the upcast input."""
+        PEFT model keeps them: each adapted linear computes W x + (lora_alpha / r) B A x on the upcast input.
+        return_routed_experts: record the experts every MoE layer chose for every token run (routing.py)."""
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         from slime_hydra.model.hf import load_tokenizer
@@ -100,6 +103,8 @@ class ModelRunner:
         self.running: list[Request] = []
         """The running batch: request b owns KV slot b."""
         self.kv = SlotKV(self.config, max_batch_size, self.dtype, self.device, self.context_length)
+        self.routing = RoutingCapture(self._body, max_batch_size, self.device) if return_routed_experts else None
+        """Each MoE layer's choice of experts in the last model call (None: not recorded)."""
         self.graphs = (DecodeGraphs(self._decode_forward, max_batch_size)
                        if cuda_graph and self.device.type == "cuda" else None)
         self.kv.on_move = self._drop_graphs
@@ -350,6 +355,11 @@ class ModelRunner:
         hidden = self._body(input_ids=ids, position_ids=positions, slot_kv=self.kv, use_cache=False).last_hidden_state
         last = torch.tensor(lengths, device=self.device) - 1
         logits = self._head(hidden[torch.arange(len(seqs), device=self.device), last]).float()
+        if self.routing is not None:  # a re-prefilled (retracted) request's experts start again from here
+            routed = self.routing.prefill_rows(len(seqs), width)
+            for i, r in enumerate(reqs):
+                if r.routed_experts is not None:
+                    r.routed_experts = [routed[i, :lengths[i]]]
         for i, r in enumerate(reqs):
             if r.wants_input_logprobs:
                 score_prompt(r, self._head(hidden[i, :len(r.prompt_ids) - 1]).float())
@@ -369,6 +379,11 @@ class ModelRunner:
         self.kv.reserve(max(r.num_tokens for r in self.running))  # the newest token goes to column num_tokens - 1
         logits = self._graph_decode(n) if self.graphs is not None else self._decode_forward(n)
         self.kv.pos[:n] += 1
+        if self.routing is not None:
+            routed = self.routing.decode_rows(n)
+            for i, r in enumerate(self.running):
+                if r.routed_experts is not None:
+                    r.routed_experts.append(routed[i:i + 1])
         tokens, chosen, logprobs, tops = sample(logits, self.running)
         self.kv.ids[:n] = tokens
         for i, r in enumerate(self.running):
@@ -387,8 +402,14 @@ class ModelRunner:
     def _decode_forward(self, n: int) -> torch.Tensor:
         """Logits [n, vocab] (fp32) of the next token of slots 0..n-1 (what a CUDA graph captures)."""
         self.kv.decode(n)
-        hidden = self._body(input_ids=self.kv.ids[:n, None], position_ids=self.kv.pos[:n, None], slot_kv=self.kv,
-                            use_cache=False).last_hidden_state
+        if self.routing is not None:
+            self.routing.decoding = True
+        try:
+            hidden = self._body(input_ids=self.kv.ids[:n, None], position_ids=self.kv.pos[:n, None], slot_kv=self.kv,
+                                use_cache=False).last_hidden_state
+        finally:
+            if self.routing is not None:
+                self.routing.decoding = False
         return self._head(hidden[:, -1]).float()
 
     def _drop_graphs(self) -> None:

@@ -46,11 +46,11 @@ class Engine:
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_batch_size: int = 64,
                  context_length: Optional[int] = None, tokenizer_path: Optional[str] = None,
                  weight_version: str = "0", host: str = "127.0.0.1", port: int = 0, cuda_graph: bool = True,
-                 lora: Optional[dict] = None):
+                 lora: Optional[dict] = None, return_routed_experts: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         self.runner = ModelRunner(model_path, device, dtype, max_batch_size, context_length, tokenizer_path,
-                                  weight_version, cuda_graph, lora)
+                                  weight_version, cuda_graph, lora, return_routed_experts)
         self.max_batch_size = max_batch_size
         self.host, self.port = host, port
         self.paused = False
@@ -102,12 +102,14 @@ class Engine:
 
     def make_request(self, prompt, params: Optional[dict], rid: Optional[str], return_logprob: bool,
                      logprob_start_len: int, top_logprobs_num: int, return_text_in_logprobs: bool,
-                     lora_path: Optional[str] = None) -> Request:
+                     lora_path: Optional[str] = None, return_routed_experts: Optional[bool] = None) -> Request:
         """Validate one prompt's fields (RequestError on any problem) and build its Request."""
         runner = self.runner
         if lora_path is not None and lora_path not in self.adapter_paths:
             raise RequestError(f"LoRA adapter {lora_path!r} is not loaded (loaded: {sorted(self.adapter_paths)}); "
                                "load it with /load_lora_adapter")
+        if return_routed_experts and runner.routing is None:
+            raise RequestError("return_routed_experts needs the engine started with --enable-return-routed-experts")
         if isinstance(prompt, str):
             if runner.tokenizer is None:
                 raise RequestError("text prompts need a tokenizer in the model directory; send input_ids")
@@ -141,7 +143,8 @@ class Engine:
         if sampling.sampling_seed is not None:
             generator = torch.Generator(device=runner.device).manual_seed(sampling.sampling_seed)
         return Request(rid, prompt_ids, sampling, bool(return_logprob), logprob_start_len,
-                       min(top_logprobs_num, runner.vocab_size), bool(return_text_in_logprobs), generator, lora_path)
+                       min(top_logprobs_num, runner.vocab_size), bool(return_text_in_logprobs), generator, lora_path,
+                       runner.routing is not None if return_routed_experts is None else bool(return_routed_experts))
 
     def submit(self, reqs: list[Request]) -> None:
         if not self.healthy:
