@@ -48,6 +48,17 @@ def compile_options(train: TrainConfig) -> dict:
     return {"triton.cudagraphs": train.cuda_graphs, "emulate_precision_casts": train.compile_eager_numerics}
 
 
+def allow_recompiles(limit: int) -> None:
+    """Let dynamo compile one code object (the decoder layer's forward) up to ``limit`` times: each layer type
+    (dense / MoE), routing replay on / off (a guard on the routers' target) and static / dynamic shapes take one
+    graph each; at the default 8 a compiled layer with fullgraph=True fails hard instead of running."""
+    import torch._dynamo as dynamo
+
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo.config, knob):
+            setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), limit))
+
+
 class TrainBackend(ComputeCopyBackend):
     """The protocol above; ``role`` is "actor" or "critic"."""
 

@@ -56,7 +56,7 @@ from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting
                                      micro_batches, response_logprobs, response_values)
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.backend import (
-    LossFn, StepMetrics, TrainBackend, compile_options, load_rank_file, rng_state, set_rng_state, write_rank_file,
+    LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options, load_rank_file, rng_state, set_rng_state, write_rank_file,
 )
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
@@ -100,6 +100,7 @@ class FSDPBackend(TrainBackend):
         self.compiled = train.compile if train.compile is not None else self.device.type == "cuda"
         self._head = torch.compile(response_logprobs) if self.compiled else response_logprobs
         if self.compiled:  # the forward only: FSDP's hooks (dynamo-disabled) run eagerly around it
+            allow_recompiles(16)
             for layer in hf.model.layers:
                 layer.forward = torch.compile(layer.forward, fullgraph=True, options=compile_options(train))
         self.fsdp = self.world > 1 if fsdp is None else fsdp

@@ -3,7 +3,7 @@
 With ``algo.routing_replay`` the batch carries the experts the engine's routers chose for every position
 (``TrainBatch.routed_experts`` [b, s, num_layers, top_k], slime_hydra/routed_experts.py). transformers' MoE blocks
 (qwen3_moe, glm4_moe, deepseek_v3) call a router ``mlp.gate`` that returns ``(logits, weights, indices)`` for the
-block's [b * s, H] tokens; ``RoutingReplay`` wraps each router's forward so that, inside ``replaying(experts)``, a
+block's [b * s, H] tokens; ``RoutingReplay`` hooks each router's forward so that, inside ``replaying(experts)``, a
 position the engine reported takes the engine's indices, and its weights are the family's function of the
 trainer's own logits at those indices:
 
@@ -13,8 +13,8 @@ trainer's own logits at those indices:
                                    s = sigmoid(logits), scaling = routed_scaling_factor
 
 so gradients still reach the router through the weights (only the choice is replayed). Positions without a report
-(-1: padding, a tail the engine never ran) keep the router's own choice and weights, bit for bit. The wrappers go
-on before the layers are compiled; outside ``replaying`` they change nothing.
+(-1: padding, a tail the engine never ran) keep the router's own choice and weights, bit for bit. The hooks go on
+before the layers are compiled; outside ``replaying`` they change nothing.
 
 Written here: transformers has no hook for replaying a routing decision.
 """
@@ -51,37 +51,38 @@ def replayed_weights(router: torch.nn.Module, logits: torch.Tensor, indices: tor
     return weights.to(logits.dtype)
 
 
+def _replay(router: torch.nn.Module, args, output):
+    """Forward hook of every router (one function for all layers, so a compiled decoder layer is traced once; the
+    layer's target is the router's own ``replay_target`` tensor, [tokens, top_k] or None)."""
+    target = router.replay_target
+    if target is None:
+        return None
+    logits, weights, indices = output
+    reported = (target != NO_EXPERT).all(dim=-1, keepdim=True)
+    indices = torch.where(reported, target, indices)
+    return logits, torch.where(reported, replayed_weights(router, logits, indices), weights), indices
+
+
 class RoutingReplay:
-    """Wraps the routers of ``decoder_layers`` (module docstring); ``replaying(experts)`` is the switch."""
+    """A forward hook on the routers of ``decoder_layers`` (module docstring); ``replaying(experts)`` is the switch."""
 
     def __init__(self, decoder_layers):
         self.routers = moe_routers(decoder_layers)
         if not self.routers:
             raise ValueError("algo.routing_replay: the model has no MoE layers")
-        self.target: Optional[torch.Tensor] = None
-        """Inside ``replaying``: [b * s, num_layers, top_k] int64 experts of the forward's tokens."""
-        for layer, router in self.routers.items():
-            router.forward = self._replaying_forward(layer, router, router.forward)
-
-    def _replaying_forward(self, layer: int, router: torch.nn.Module, own):
-        def forward(hidden_states):
-            logits, weights, indices = own(hidden_states)
-            if self.target is None:
-                return logits, weights, indices
-            chosen = self.target[:, layer]
-            reported = (chosen != NO_EXPERT).all(dim=-1, keepdim=True)
-            indices = torch.where(reported, chosen, indices)
-            weights = torch.where(reported, replayed_weights(router, logits, indices), weights)
-            return logits, weights, indices
-
-        return forward
+        for router in self.routers.values():
+            router.replay_target = None
+            router.register_forward_hook(_replay)
 
     @contextmanager
     def replaying(self, experts: Optional[torch.Tensor]):
         """Forwards inside route the tokens of a [b, s] batch as ``experts`` [b, s, num_layers, top_k] says
         (None: the routers choose)."""
-        self.target = None if experts is None else experts.reshape(-1, *experts.shape[2:]).long()
+        flat = None if experts is None else experts.reshape(-1, *experts.shape[2:]).long()
+        for layer, router in self.routers.items():
+            router.replay_target = None if flat is None else flat[:, layer]
         try:
             yield
         finally:
-            self.target = None
+            for router in self.routers.values():
+                router.replay_target = None

@@ -46,7 +46,7 @@ def forward_experts(model, ids: list[int]) -> torch.Tensor:
 
     hooks = [router.register_forward_hook(partial(keep, i)) for i, router in moe_routers(model.model.layers).items()]
     with torch.no_grad():
-        model(torch.tensor([ids]))
+        model(torch.tensor([ids], device=model.device))
     for h in hooks:
         h.remove()
     return out
@@ -99,3 +99,37 @@ def test_wire_format_round_trips_and_refuses_another_shape():
     assert torch.equal(torch.from_numpy(routed_experts.decode(text, 3, 2)).long(), experts)
     with pytest.raises(ValueError, match="another shape"):
         routed_experts.decode(text, 4, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_decode_graphs_record_each_steps_experts(path, tmp_path):
+    """Under CUDA graphs (bf16) the routers' hooks copy into a buffer the graphs write at every replay: the experts
+    of every decoded position match a transformers forward of the whole sequence on the GPU (bf16 rounding may flip
+    a rare near-tie: at least 99% of the entries), and not the capture's."""
+    engine = start_embedded_engine(str(path), device="cuda:0", dtype="bfloat16", max_batch_size=4,
+                                   extra_args=["--enable-return-routed-experts"], log_path=tmp_path / "engine.log")
+    params = {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True}
+
+    async def run():
+        async with SGLangClient(engine.url, timeout_s=300) as client:
+            answers = await asyncio.gather(*(client.generate(p, {**params, "sampling_seed": i})
+                                             for i, p in enumerate(PROMPTS)))
+            return answers, (await client.server_info())["cuda_graph"]
+
+    try:
+        answers, graphs = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert graphs
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    same = total = 0
+    for prompt, answer in zip(PROMPTS, answers):
+        ids = prompt + answer["output_ids"]
+        got = torch.from_numpy(routed_experts.decode(answer["meta_info"]["routed_experts"], LAYERS, TOP_K))
+        want = forward_experts(model, ids[:-1])
+        got, want = got.sort(-1).values, want.sort(-1).values  # the order of the top-k is not the choice
+        same += int((got == want).all(-1).sum())
+        total += got.shape[0] * LAYERS
+    print(f"{same} of {total} (position, layer) choices equal")
+    assert same >= 0.99 * total

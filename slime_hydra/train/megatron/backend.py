@@ -105,7 +105,7 @@ from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, 
 from slime_hydra.train.megatron.moe import MoE
 from slime_hydra.train.megatron.pipeline import Pipeline
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, compile_options
+from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.optim import build_optimizer
 
@@ -191,12 +191,7 @@ class MegatronBackend(TrainBackend):
         self.pipeline = Pipeline(self._stage, self._activation_shape, self.pp_group, self.device, self._compute)
         self.compiled = train.compile if train.compile is not None else self.device.type == "cuda"
         if self.compiled:  # each layer's forward; megatron's recompute (if on) calls it eagerly around the graph
-            import torch._dynamo as dynamo
-
-            limit = 2 * len(self.model.decoder.layers) + 8  # room for a guard on a per-layer attribute
-            for knob in ("recompile_limit", "cache_size_limit"):
-                if hasattr(dynamo.config, knob):
-                    setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), limit))
+            allow_recompiles(2 * len(self.model.decoder.layers) + 8)  # room for a guard on a per-layer attribute
             for layer in self.model.decoder.layers:
                 layer.forward = torch.compile(layer.forward, options=compile_options(train))
         self._lm_logprobs = (torch.compile(response_logprobs) if self.compiled else response_logprobs)
