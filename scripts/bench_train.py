@@ -198,6 +198,15 @@ class PlainHF:
 
 
 def build(name: str, path: Path, train: TrainConfig, total: int):
+    if name == "megatron-loop":  # MoE experts as megatron's SequentialMLP loop instead of moe.GroupedExperts
+        from unittest import mock
+
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        from slime_hydra.train.megatron.backend import MegatronBackend
+
+        with mock.patch("slime_hydra.train.megatron.spec.GroupedExperts", SequentialMLP):
+            return MegatronBackend(path, train, total_steps=total)
     if name.startswith("megatron"):
         from slime_hydra.train.megatron.backend import MegatronBackend
 
@@ -213,7 +222,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", required=True,
                         help="megatron, fsdp or hf, or several comma-separated (one process, taking turns); "
-                             "megatron-fused / fsdp-fused: with train.compile_eager_numerics=false")
+                             "megatron-fused / fsdp-fused: with train.compile_eager_numerics=false; megatron-loop: "
+                             "MoE experts as megatron's SequentialMLP loop (not grouped matmuls)")
     parser.add_argument("--model", default="qwen2_5_0_5b", help="conf/model/<name>.yaml (shape only)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model option's)")
     parser.add_argument("--peak-tflops", type=float, default=989.4,
@@ -240,9 +250,9 @@ def main() -> None:
                              "time and the longest GPU-idle gaps with the host op running in each (rank 0)")
     args = parser.parse_args()
     names = args.backend.split(",")
-    if any(n not in ("megatron", "fsdp", "hf", "megatron-fused", "fsdp-fused") for n in names) \
+    if any(n not in ("megatron", "fsdp", "hf", "megatron-fused", "fsdp-fused", "megatron-loop") for n in names) \
             or len(set(names)) < len(names):
-        parser.error(f"--backend takes megatron, fsdp, hf, megatron-fused and fsdp-fused, each at most once; "
+        parser.error(f"--backend takes megatron, fsdp, hf, megatron-fused, fsdp-fused and megatron-loop, each at most once; "
                      f"got {args.backend!r}")
 
     rank, world = init_process_group()

@@ -32,6 +32,7 @@ above, for which replicated tokens are exact.
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
@@ -180,6 +181,51 @@ class Router(TopKRouter):
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (grouped_mm's backward refuses an expanded one)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+class GroupedExperts(SequentialMLP):
+    """megatron's SequentialMLP (its parameters, names and TP / EP layout unchanged: local expert e's
+    ``linear_fc1`` [2F / tp, H] and ``linear_fc2`` [H, F / tp]) computed as two grouped matmuls over all local
+    experts (torch's ``grouped_mm``, CPU and CUDA) instead of a Python loop of 2 x E small ones:
+
+        h = x_e W1_e^T,  a = silu(h_gate) * h_up * p,  y = a W2_e^T     for the rows x_e routed to expert e
+
+    with p the routing probability, applied after the activation in fp32 and cast back, as megatron's MLP does. The
+    expert weights are stacked on every call ([E, H, 2F / tp], [E, F / tp, H]: one copy of the local experts'
+    weights forward, one split of their gradients backward), which costs far less than the loop's kernel launches
+    (docs/benchmarks.md). Written here: megatron's own grouped experts need TransformerEngine (TEGroupedMLP) or the
+    grouped_gemm package (GroupedMLP), which these machines lack. Configurations it does not cover (biases, an
+    activation other than SwiGLU, probabilities on the input, fp8) run megatron's loop."""
+
+    def _covered(self) -> bool:
+        c = self.config
+        return (c.gated_linear_unit and c.activation_func is torch.nn.functional.silu and not c.add_bias_linear
+                and not c.moe_apply_probs_on_input and c.activation_func_clamp_value is None
+                and not c.glu_linear_offset and not (c.fp8 or c.fp4))
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        if not self._covered():
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        x = permuted_local_hidden_states
+        offsets = torch.cumsum(torch.as_tensor(tokens_per_expert), 0).to(x.device, torch.int32)
+        fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).transpose(1, 2)
+        fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts]).transpose(1, 2)
+        h = _ContiguousGrad.apply(torch.nn.functional.grouped_mm(x.to(fc1.dtype), fc1, offs=offsets))
+        gate, up = h.chunk(2, dim=-1)
+        a = (torch.nn.functional.silu(gate) * up * permuted_probs.unsqueeze(-1)).to(h.dtype)
+        return _ContiguousGrad.apply(torch.nn.functional.grouped_mm(a, fc2, offs=offsets)), None
 
 
 class MoE(MoELayer):

@@ -11,9 +11,9 @@ Which spec:
   attention gathers K/V over the CP group (context_parallel.py: megatron's local attention asserts cp=1, its CP
   lives in TransformerEngine's).
 - MoE layers (Qwen3-MoE's sparse layers, ``Arch.moe_layers``): the same attention, and megatron's own MoE layer
-  spec (``get_gpt_layer_local_spec(num_experts=...)``: SequentialMLP experts; with TransformerEngine its spec with
-  grouped GEMM experts) with ``moe.MoE`` and ``moe.Router`` in place of MoELayer and TopKRouter and no shared
-  experts; the other layers keep the dense MLP.
+  spec (``get_gpt_layer_local_spec(num_experts=...)``: SequentialMLP's experts computed by moe.GroupedExperts; with
+  TransformerEngine its spec with grouped GEMM experts) with ``moe.MoE`` and ``moe.Router`` in place of MoELayer and
+  TopKRouter and no shared experts; the other layers keep the dense MLP.
 - GLM-4 adds norms on the attention and MLP outputs before each residual add. The layer applies
   ``bda(training, fused)(sublayer_out_with_bias, residual, dropout_p)`` exactly there, so a bias-dropout-add
   module that norms first (``PostNormBiasDropoutAdd``) expresses them in the spec, for the local and TE specs
@@ -35,7 +35,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from slime_hydra.train.megatron.context_parallel import gather_sequence, split_sequence
-from slime_hydra.train.megatron.moe import MoE, Router
+from slime_hydra.train.megatron.moe import GroupedExperts, MoE, Router
 
 
 @torch.library.custom_op("slime_hydra::rope_table", mutates_args=())
@@ -255,7 +255,7 @@ class PostNormBiasDropoutAdd(torch.nn.Module):
 def layer_spec(arch, config, use_te: bool, moe: bool = False) -> ModuleSpec:
     """One decoder layer's spec for this architecture (see the module docstring for the choice); ``moe``: its MLP
     is megatron's MoE layer (moe.MoE: its router and experts, this backend's token movement), experts as
-    SequentialMLP, or TEGroupedMLP (grouped GEMM) with TransformerEngine."""
+    moe.GroupedExperts (SequentialMLP's parameters, grouped matmuls), or TEGroupedMLP with TransformerEngine."""
     experts = dict(num_experts=arch.num_experts, moe_grouped_gemm=use_te) if moe else {}
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -272,6 +272,8 @@ def layer_spec(arch, config, use_te: bool, moe: bool = False) -> ModuleSpec:
     if moe:
         spec.submodules.mlp.module = MoE
         spec.submodules.mlp.submodules.router = Router
+        if not use_te:  # TEGroupedMLP's grouped GEMM, or ours
+            spec.submodules.mlp.submodules.experts.module = GroupedExperts
         spec.submodules.mlp.submodules.shared_experts = None  # Qwen3-MoE has none
     else:
         spec.submodules.mlp.params = {**spec.submodules.mlp.params, "ffn_hidden_size": config.ffn_hidden_size}
