@@ -5,8 +5,9 @@
     metrics = group.train_step(batch, loss_fn)                     # one optimizer step on the whole batch
     group.save(dir); group.load(dir); group.export_hf(dir)
 
-The batch goes to the object store once; rank r trains on rows dp_rank::dp_size (its data-parallel share), so
-every rank of one model replica (TP/PP peers in Megatron) sees the same rows. One bundle per rank: {GPU: 1} on a
+The batch goes to the object store once; each data-parallel rank takes its share of the rows (``batch.dp_shares``:
+equal row counts, balanced token counts), so every rank of one model replica (TP/PP peers in Megatron) sees the same
+rows. One bundle per rank: {GPU: 1} on a
 GPU cluster, {CPU: 1} on a CPU-only machine.
 """
 
@@ -20,7 +21,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime_hydra.net import free_port
-from slime_hydra.train.batch import TrainBatch
+from slime_hydra.train.batch import TrainBatch, dp_shares
 from slime_hydra.train.config import TrainConfig
 
 BACKENDS = {"fsdp": "slime_hydra.train.fsdp.FSDPBackend", "megatron": "slime_hydra.train.megatron.backend.MegatronBackend"}
@@ -51,7 +52,7 @@ class TrainRank:
         self.pusher = None
 
     def _share(self, batch: TrainBatch) -> tuple[list[int], TrainBatch]:
-        rows = list(range(self.backend.dp_rank, batch.size, self.backend.dp_size))
+        rows = dp_shares(batch, self.backend.dp_size)[self.backend.dp_rank]
         return rows, batch.select(rows)
 
     def logprobs(self, batch: TrainBatch, policy: str, temperature: float, with_entropy: bool):
