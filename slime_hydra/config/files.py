@@ -25,6 +25,11 @@ HF_KEYS = {
     "num_experts": ("num_experts", "n_routed_experts"),
     "moe_top_k": ("num_experts_per_tok",),
     "moe_ffn_hidden_size": ("moe_intermediate_size",),
+    "moe_shared_experts": ("n_shared_experts",),
+    "first_dense_layers": ("first_k_dense_replace",),
+    "moe_groups": ("n_group",),
+    "moe_group_top_k": ("topk_group",),
+    "moe_routed_scaling": ("routed_scaling_factor",),
 }
 
 

@@ -13,14 +13,17 @@ heads / KV heads / head dim):
     trainer static      P x (4 fp32 master + 4 fp32 grad + 8 Adam / ZeRO peers) + P x 2 bf16 compute copy + P x 2
                         its gradients (GPU, bf16; added into the fp32 grads after the backward); a MoE layer's
                         routed experts count E x 3HF' (F' one expert's width), split by megatron over TP x EP with
-                        their Adam state over DP x CP / EP peers
+                        their Adam state over DP x CP / EP peers, its S shared experts S x 3HF' (split like a dense
+                        MLP), its router E x H; the first_dense_layers hold a dense MLP (3HF) instead; a pipeline
+                        stage is counted as if all its layers were MoE layers (the busiest)
     with train.lora     P x 2 (bf16; 4 fp32) frozen base + A_P x (4 fp32 adapter + 4 grad + 8 Adam / ZeRO peers),
                         A_P = rank x sum of (in + out) over the adapted linears, no compute copy; activations add
                         the adapters' fp32 inputs (4 x in bytes per token and adapted linear: PEFT upcasts x for
                         each one); no reference copy (the reference is the base, adapter off)
     activations         T x L_stage x a,  a = 8H + 2(h + 2g)d + 2(h + g)d + 2hd + 8F  bytes per token and layer in
                         bf16 (the tensors autograd keeps: norms, q/k/v before and after RoPE, attention out, the
-                        MLP's gate / up / act / product); TP divides the head and F terms; x2 in fp32; with
+                        MLP's gate / up / act / product; MoE: F = F' x (k + S) for the k routed and S shared
+                        experts a token meets); TP divides the head and F terms; x2 in fp32; with
                         recomputation 2H per token and layer plus one layer's full set; PP: the first stage keeps
                         min(pp, micro-batches) in flight
     logits              K x V / tp x 4 bytes compiled (bf16 logits and their grad; the fp32 logsumexp is fused),
@@ -65,15 +68,20 @@ class Params:
     """Parameter counts of the model option (from its architecture numbers)."""
 
     per_layer: int
-    """All of one decoder layer's parameters (the routed experts included)."""
+    """All of one decoder layer's parameters (a MoE layer's: the routed experts included)."""
     embedding: int
     head: int
     final_norm: int
     experts_per_layer: int = 0
     """The routed experts' part of per_layer (megatron splits them over the EP ranks)."""
+    dense_layers: int = 0
+    """Layers of a MoE model holding a dense MLP instead (the first ones)."""
+    dense_layer: int = 0
+    """All of one such dense layer's parameters."""
 
     def total(self, layers: int) -> int:
-        return self.per_layer * layers + self.embedding + self.head + self.final_norm
+        return (self.per_layer * (layers - self.dense_layers) + self.dense_layer * self.dense_layers
+                + self.embedding + self.head + self.final_norm)
 
 
 def adapted_dims(cfg: SlimeConfig) -> list[tuple[int, int]]:
@@ -89,11 +97,14 @@ def param_counts(cfg: SlimeConfig) -> Params:
     m = cfg.model
     h, g, d, hidden = m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.hidden_size
     attention = hidden * h * d + 2 * hidden * g * d + h * d * hidden + (h + 2 * g) * d  # + q/k/v biases
-    experts = m.num_experts * 3 * hidden * (m.moe_ffn_hidden_size or 0)
-    mlp = experts + hidden * m.num_experts if m.is_moe else 3 * hidden * m.ffn_hidden_size  # + the router
+    dense = 3 * hidden * m.ffn_hidden_size
+    expert = 3 * hidden * (m.moe_ffn_hidden_size or 0)
+    experts = m.num_experts * expert
+    mlp = experts + m.moe_shared_experts * expert + hidden * m.num_experts if m.is_moe else dense  # + the router
     embedding = m.vocab_size * hidden
     return Params(per_layer=attention + mlp + 4 * hidden, embedding=embedding,
-                  head=0 if m.tie_word_embeddings else embedding, final_norm=hidden, experts_per_layer=experts)
+                  head=0 if m.tie_word_embeddings else embedding, final_norm=hidden, experts_per_layer=experts,
+                  dense_layers=m.first_dense_layers if m.is_moe else 0, dense_layer=attention + dense + 4 * hidden)
 
 
 @dataclass
@@ -155,9 +166,12 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
     megatron = t.backend == "megatron"
     layers = math.ceil(m.num_layers / t.pp) if megatron else m.num_layers
     if megatron:  # the busiest stage: its layers, the embedding (first) and the head (last), split over TP; the
-        # routed experts over TP x EP, their Adam state over the DP x CP ranks that hold the same experts (/ EP)
-        experts = counts.experts_per_layer * layers / (t.tp * t.ep)
-        params = (counts.per_layer * layers - counts.experts_per_layer * layers
+        # routed experts over TP x EP, their Adam state over the DP x CP ranks that hold the same experts (/ EP);
+        # with pp > 1 every layer of the stage counted as a MoE layer, the dense first ones being on the first stage
+        dense = counts.dense_layers if t.pp == 1 else 0
+        experts = counts.experts_per_layer * (layers - dense) / (t.tp * t.ep)
+        params = (counts.per_layer * (layers - dense) + counts.dense_layer * dense
+                  - counts.experts_per_layer * (layers - dense)
                   + (counts.embedding + counts.head if t.pp == 1 else counts.embedding)) / t.tp + experts
         peers = d.dp * t.cp if t.distributed_optimizer else 1
         adam_peers = params / ((params - experts) / peers + experts / max(peers // t.ep, 1))
@@ -181,7 +195,8 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
         usage.parts["bf16 gradients"] = params * 2 / shard  # the compute copy's, added into the fp32 grads after
     tokens, logits = _tokens(cfg, d)
     h, g, dim, hidden = m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.hidden_size
-    width = (m.moe_ffn_hidden_size or m.ffn_hidden_size) * max(m.moe_top_k, 1) if m.is_moe else m.ffn_hidden_size
+    width = ((m.moe_ffn_hidden_size or m.ffn_hidden_size) * (max(m.moe_top_k, 1) + m.moe_shared_experts)
+             if m.is_moe else m.ffn_hidden_size)
     tp = t.tp if megatron else 1
     per_token = 8 * hidden + (2 * (h + 2 * g) * dim + 2 * (h + g) * dim + 2 * h * dim + 8 * width) / tp
     scale = 1 if bf16 else 2

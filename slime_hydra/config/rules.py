@@ -13,7 +13,7 @@ from slime_hydra.algo.config import GROUP_ESTIMATORS
 from slime_hydra.data.config import MAX_LEVELS
 from slime_hydra.data.tasks import get_env
 from slime_hydra.reward.config import REWARD_NAMES
-from slime_hydra.model.config import FUSED_GATE_UP, MEGATRON_FAMILIES, QKV_BIAS
+from slime_hydra.model.config import FUSED_GATE_UP, GROUPED_ROUTER_FAMILIES, MEGATRON_FAMILIES, QKV_BIAS
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import memory_problems, plan_memory
 from slime_hydra.config.passthrough import check_passthrough
@@ -44,6 +44,7 @@ def check_backend(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                           "(multi-latent attention) is not built for it yet",
                           "use another model family")
         yield from megatron_moe_problems(t, m.num_experts)
+        yield from _megatron_router_problems(cfg)
         if m.vocab_size % t.tp:
             yield Problem(("train.tp", "model.vocab_size"),
                           f"the vocabulary ({m.vocab_size} rows) is split over TP ranks: not divisible by "
@@ -55,6 +56,22 @@ def check_backend(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     elif t.ep > 1:
         yield Problem(("train.ep", "train.backend"), f"train=fsdp has no expert parallelism (ep={t.ep})",
                       "set train.ep=1")
+
+
+def _megatron_router_problems(cfg: SlimeConfig) -> Iterator[Problem]:
+    """The grouped router's settings megatron's TopKRouter computes differently from transformers (train/megatron/
+    model.py, which refuses them again at construction from the checkpoint's config)."""
+    m = cfg.model
+    if m.family not in GROUPED_ROUTER_FAMILIES or not m.is_moe:
+        return
+    if m.moe_top_k == 1:
+        yield Problem(("model.moe_top_k", "train.backend"), "one expert per token: transformers renormalises its "
+                      "weight to 1, megatron keeps the raw sigmoid score", "use train=fsdp for this model")
+    if m.moe_group_top_k < m.moe_groups and m.moe_top_k // m.moe_group_top_k != 2:
+        yield Problem(("model.moe_groups", "model.moe_group_top_k", "model.moe_top_k", "train.backend"),
+                      f"group-limited routing with moe_top_k={m.moe_top_k} over moe_group_top_k={m.moe_group_top_k}: "
+                      f"megatron scores a group by its best {m.moe_top_k // m.moe_group_top_k} experts, "
+                      "transformers by its best 2", "use train=fsdp for this model")
 
 
 def check_batch(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:

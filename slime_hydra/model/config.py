@@ -12,13 +12,18 @@ from typing import Iterator, Optional
 
 from slime_hydra.options import Problem, choice, non_negative, positive
 
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "deepseek_v3")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "deepseek_v3")
 """model.family: the architectures the model options describe."""
 DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
 """The dense families (model/hf.py builds random-init models of them)."""
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
-"""The mixture-of-experts families (model.num_experts > 0); model/hf.py builds random-init qwen3_moe models."""
-MEGATRON_FAMILIES = (*DENSE_FAMILIES, "qwen3_moe")
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
+"""The mixture-of-experts families (model.num_experts > 0); model/hf.py builds random-init models of each."""
+GROUPED_ROUTER_FAMILIES = ("glm4_moe", "deepseek_v3")
+"""MoE families with DeepSeek's router and layer layout: sigmoid scores plus a fixed correction bias choose the
+experts (group-limited: model.moe_groups, moe_group_top_k), the chosen scores renormalised and scaled by
+model.moe_routed_scaling, shared experts (model.moe_shared_experts) and dense first layers
+(model.first_dense_layers)."""
+MEGATRON_FAMILIES = (*DENSE_FAMILIES, "qwen3_moe", "glm4_moe")
 """The families train=megatron converts (train/megatron/model.FAMILIES)."""
 
 FUSED_GATE_UP = ("glm4",)
@@ -37,7 +42,8 @@ class ModelConfig:
     name: str = "tiny"
     """Short name used in run names and logs (the conf/model option name)."""
     family: str = choice("qwen2", FAMILIES)
-    """Architecture family: qwen2 | qwen3 | qwen3_moe | llama | glm4 | deepseek_v3 (selects the HF<->Megatron mapping)."""
+    """Architecture family: qwen2 | qwen3 | qwen3_moe | llama | glm4 | glm4_moe | deepseek_v3 (selects the
+    HF<->Megatron mapping)."""
     path: Optional[str] = None
     """HF checkpoint directory (config.json, tokenizer, safetensors); null builds the tiny model offline (tiny only)."""
     num_layers: int = positive(4)
@@ -66,6 +72,18 @@ class ModelConfig:
     """Experts activated per token; 0 for dense models."""
     moe_ffn_hidden_size: Optional[int] = positive(None)
     """Intermediate width of one routed expert; null for dense models."""
+    moe_shared_experts: int = non_negative(0)
+    """Shared experts of every MoE layer (HF n_shared_experts), each moe_ffn_hidden_size wide: every token passes
+    through them besides its moe_top_k routed experts (GLM-4.5, DeepSeek-V3: 1)."""
+    first_dense_layers: int = non_negative(0)
+    """The first N layers keep a dense MLP of ffn_hidden_size, the rest are MoE (HF first_k_dense_replace)."""
+    moe_groups: int = positive(1)
+    """Expert groups of group-limited routing (HF n_group): a token picks its moe_top_k experts among the
+    moe_group_top_k groups whose two best scores sum highest; 1: no groups."""
+    moe_group_top_k: int = positive(1)
+    """Groups each token may route to (HF topk_group); at most moe_groups."""
+    moe_routed_scaling: float = positive(1.0)
+    """Factor on the routed experts' renormalised weights (HF routed_scaling_factor; DeepSeek-V3: 2.5)."""
 
     tokenizer: Optional[str] = choice(None, ("char", "bpe"))
     """A model built offline when path is null (model/warm_start.py): char (one token per character, model/tiny.py)
@@ -127,3 +145,41 @@ class ModelConfig:
             yield Problem((f"{prefix}moe_top_k", f"{prefix}num_experts"), f"moe_top_k={self.moe_top_k} experts per "
                           f"token, of only num_experts={self.num_experts}", f"set {prefix}moe_top_k <= "
                           f"{self.num_experts}")
+        yield from self._router_problems(prefix)
+
+    def _router_problems(self, prefix: str) -> Iterator[Problem]:
+        """DeepSeek's router and layer layout (GROUPED_ROUTER_FAMILIES): groups that split the experts evenly, enough
+        experts in the chosen groups, dense first layers that leave MoE layers; other families leave the fields at
+        their defaults."""
+        keys = {"moe_shared_experts": 0, "first_dense_layers": 0, "moe_groups": 1, "moe_group_top_k": 1,
+                "moe_routed_scaling": 1.0}
+        if self.family not in GROUPED_ROUTER_FAMILIES:
+            set_ = {k: getattr(self, k) for k, default in keys.items() if getattr(self, k) != default}
+            if set_:
+                yield Problem(tuple(f"{prefix}{k}" for k in set_) + (f"{prefix}family",),
+                              f"family={self.family} has no shared experts, dense first layers or grouped router; "
+                              f"{', '.join(f'{k}={v}' for k, v in set_.items())} describe no layer of it",
+                              f"remove them, or set {prefix}family to one of {', '.join(GROUPED_ROUTER_FAMILIES)}")
+            return
+        groups, chosen, experts = self.moe_groups, self.moe_group_top_k, self.num_experts
+        if self.first_dense_layers >= self.num_layers:
+            yield Problem((f"{prefix}first_dense_layers", f"{prefix}num_layers"),
+                          f"first_dense_layers={self.first_dense_layers} of num_layers={self.num_layers} leaves no "
+                          "MoE layer", "check the model option's numbers against its config.json "
+                          "(first_k_dense_replace)")
+        if not experts:
+            return
+        if experts % groups:
+            yield Problem((f"{prefix}moe_groups", f"{prefix}num_experts"), f"moe_groups={groups} does not split "
+                          f"num_experts={experts} evenly", "check n_group against the checkpoint's config.json")
+        elif groups > 1 and experts // groups < 2:
+            yield Problem((f"{prefix}moe_groups", f"{prefix}num_experts"), f"moe_groups={groups} leaves "
+                          f"{experts // groups} expert per group; a group is scored by its two best experts",
+                          f"choose moe_groups <= {experts // 2}")
+        elif chosen > groups:
+            yield Problem((f"{prefix}moe_group_top_k", f"{prefix}moe_groups"), f"moe_group_top_k={chosen} groups "
+                          f"per token, of only moe_groups={groups}", f"set {prefix}moe_group_top_k <= {groups}")
+        elif self.moe_top_k > chosen * (experts // groups):
+            yield Problem((f"{prefix}moe_top_k", f"{prefix}moe_group_top_k"), f"moe_top_k={self.moe_top_k} experts "
+                          f"per token, but the {chosen} chosen group(s) hold {chosen * (experts // groups)}",
+                          "check num_experts_per_tok and topk_group against the checkpoint's config.json")

@@ -7,6 +7,7 @@ from tests.config.helpers import problems
 
 BIG = ("model=qwen3_8b", "model.path=/ckpt/qwen3_8b")  # heads 32, kv 8, layers 36, context 40960
 GPU8 = ("cluster.gpus_per_node=8",)
+AIR = ("model=glm4_5_air", "model.path=/ckpt/glm4_5_air")  # 128 experts, 8 per token, 1 group
 
 # (overrides, a key the error must name, a fragment of its message or fix)
 INVALID = [
@@ -27,6 +28,16 @@ INVALID = [
     (("model=tiny_moe", "model.moe_ffn_hidden_size=null"), "model.moe_ffn_hidden_size", "num_experts_per_tok"),
     (("model=tiny_moe", "model.num_experts=0"), "model.num_experts", "family=qwen3_moe is a mixture of experts"),
     (("model.num_experts=4",), "model.family", "family=qwen2 is dense"),
+    # the grouped router (glm4_moe, deepseek_v3) and its megatron mapping
+    ((*AIR, "model.moe_groups=3"), "model.moe_groups", "does not split num_experts=128"),
+    ((*AIR, "model.moe_groups=128"), "model.moe_groups", "two best experts"),
+    ((*AIR, "model.moe_group_top_k=2"), "model.moe_group_top_k", "set model.moe_group_top_k <= 1"),
+    ((*AIR, "model.moe_groups=64", "model.moe_group_top_k=2"), "model.moe_top_k", "hold 4"),
+    ((*AIR, "model.first_dense_layers=46"), "model.first_dense_layers", "leaves no MoE layer"),
+    (("model=qwen3_30b_a3b", "model.path=/ckpt", "model.moe_shared_experts=1"), "model.moe_shared_experts",
+     "family=qwen3_moe has no shared experts"),
+    ((*AIR, "train=megatron", "model.moe_groups=8", "model.moe_group_top_k=2", "train.micro_batch_samples=1"),
+     "model.moe_groups", "scores a group by its best 4 experts"),
     # parallelism
     ((*BIG, "train=megatron", "train.num_gpus=6", "train.tp=4"), "train.num_gpus", "multiple of 4"),
     ((*BIG, "train=megatron", "train.num_gpus=3", "train.tp=3", "train.micro_batch_samples=1"),

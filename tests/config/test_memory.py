@@ -182,3 +182,22 @@ def test_routed_experts_are_planned_per_ep_rank():
     _, whole = trainer(1)
     assert whole.parts["fp32 masters + grads"] == pytest.approx((rest + experts) / 2 * 8)
     assert whole.total > 80 * GiB > spread.total
+
+
+def test_shared_experts_and_dense_first_layers_are_counted():
+    """GLM-4.5-Air: 45 MoE layers of 128 routed experts, one shared expert and a router, and a first layer with a
+    dense MLP (10944 wide): 106.9B parameters (the model card's 106B; its multi-token-prediction layer is not
+    trained). On 16 H100s (train=megatron TP4 x EP4 x DP4) the busiest rank holds the dense layer's and the shared
+    experts' share over TP, the routed experts' over TP x EP."""
+    cfg = to_config(compose(["model=glm4_5_air", *H100, "train=megatron", "train.num_gpus=16", "train.tp=4",
+                             "train.ep=4"]))
+    m, counts = cfg.model, param_counts(cfg)
+    hidden, expert = m.hidden_size, 3 * m.hidden_size * m.moe_ffn_hidden_size
+    attention = hidden * 96 * 128 + 2 * hidden * 8 * 128 + 96 * 128 * hidden + (96 + 16) * 128
+    moe_layer = attention + 128 * expert + expert + 128 * hidden + 4 * hidden
+    dense_layer = attention + 3 * hidden * 10944 + 4 * hidden
+    total = 45 * moe_layer + dense_layer + 2 * 151552 * hidden + hidden
+    assert counts.total(m.num_layers) == total and 106e9 < total < 107.5e9
+    trainer = trainer_usage(cfg, derive(cfg))
+    experts = 45 * 128 * expert
+    assert trainer.parts["fp32 masters + grads"] == pytest.approx(((total - experts) / 4 + experts / 16) * 8)

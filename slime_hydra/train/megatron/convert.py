@@ -24,13 +24,19 @@ HF tensors over the PP group, so every rank sees every HF tensor.
 The PPO critic (head="value") has HF *ForTokenClassification names: the same trunk and ``score.{weight, bias}``
 (megatron ``output_layer.{weight, bias}``, replicated), no lm_head.
 
-MoE layers (Qwen3-MoE; HF checkpoint names, one tensor per expert as the safetensors files store them):
+MoE layers (HF checkpoint names, one tensor per expert as the safetensors files store them):
 
     megatron (decoder.layers.{i}.mlp.)               kind        HF (model.layers.{i}.mlp.)
     router.weight [E, H]                             replicated  gate.weight
+    router.expert_bias [E] (a buffer)                replicated  gate.e_score_correction_bias (grouped router)
     experts.local_experts.{e}.linear_fc1.weight      gate_up     experts.{e}.gate_proj.weight, .up_proj.weight
     experts.local_experts.{e}.linear_fc2.weight      row         experts.{e}.down_proj.weight
+    shared_experts.linear_fc1.weight                 gate_up     shared_experts.gate_proj.weight, .up_proj.weight
+    shared_experts.linear_fc2.weight                 row         shared_experts.down_proj.weight
     (TransformerEngine's grouped experts: experts.linear_fc1.weight{e}, experts.linear_fc2.weight{e})
+
+The router's expert bias is a buffer in both (transformers' e_score_correction_bias, megatron's expert_bias): it is
+loaded, exported and synced like a parameter but never trained (``stage_tensors``).
 
 The table numbers experts globally, as it numbers layers; under expert parallelism EP rank k holds experts
 [k E / ep, (k + 1) E / ep) as its local experts 0 .. E / ep - 1 (megatron's split), ``stage_parameters`` renames
@@ -113,12 +119,19 @@ def param_map(arch: Arch, te: bool = False, for_export: bool = False, head: str 
 def _moe_params(arch: Arch, m: str, h: str, te: bool) -> list[Param]:
     """One MoE layer's rows: the router, then each expert's fc1 and fc2 (global expert numbers)."""
     out = [Param(m + "router.weight", (h + "gate.weight",), "replicated")]
+    if arch.moe_expert_bias:
+        out.append(Param(m + "router.expert_bias", (h + "gate.e_score_correction_bias",), "replicated"))
     for e in range(arch.num_experts):
         fc1, fc2 = ((f"experts.linear_fc1.weight{e}", f"experts.linear_fc2.weight{e}") if te else
                     (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.local_experts.{e}.linear_fc2.weight"))
         expert = f"{h}experts.{e}."
         out.append(Param(m + fc1, (expert + "gate_proj.weight", expert + "up_proj.weight"), "gate_up", e))
         out.append(Param(m + fc2, (expert + "down_proj.weight",), "row", e))
+    if arch.moe_shared_ffn_hidden_size:
+        shared = h + "shared_experts."
+        out.append(Param(m + "shared_experts.linear_fc1.weight", (shared + "gate_proj.weight",
+                                                                   shared + "up_proj.weight"), "gate_up"))
+        out.append(Param(m + "shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), "row"))
     return out
 
 
@@ -220,6 +233,21 @@ def stage_parameters(model) -> dict[str, torch.nn.Parameter]:
     return out
 
 
+ROUTER_BUFFER = "mlp.router.expert_bias"
+"""The one megatron buffer with an HF counterpart (the grouped router's score correction)."""
+
+
+def stage_tensors(model) -> dict[str, torch.Tensor]:
+    """``stage_parameters`` plus the router buffers that hold checkpoint tensors (``ROUTER_BUFFER``), under the same
+    global names: what the conversion table covers."""
+    out = stage_parameters(model)
+    for name, buffer in model.named_buffers():
+        if name.startswith("decoder.layers.") and name.endswith(ROUTER_BUFFER):
+            local, rest = name[len("decoder.layers."):].split(".", 1)
+            out[f"decoder.layers.{model.decoder.layers[int(local)].layer_number - 1}.{rest}"] = buffer
+    return out
+
+
 def _global_expert(rest: str, mlp) -> str:
     """A layer-relative parameter name with its local expert number replaced by the global one."""
     indices = getattr(mlp, "local_expert_indices", None)
@@ -238,7 +266,7 @@ def _global_expert(rest: str, mlp) -> str:
 
 def stage_table(model, arch: Arch, head: str = "lm") -> list[Param]:
     """The rows of ``param_map`` this stage holds (plus the tied embedding's copy on the last stage)."""
-    params = stage_parameters(model)
+    params = stage_tensors(model)
     table = [p for p in param_map(arch, _uses_te(model), head=head) if p.megatron in params]
     if head == "lm" and arch.tie_word_embeddings and TIED_COPY.megatron in params:
         table.append(TIED_COPY)
@@ -256,7 +284,7 @@ def load_hf_weights(model, path: str | Path, arch: Arch, head: str = "lm") -> No
     from megatron.core import parallel_state
 
     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    params = stage_parameters(model)
+    params = stage_tensors(model)
     reader = _SafetensorsReader(path)
     for p in stage_table(model, arch, head):
         target = params[p.megatron]
@@ -280,7 +308,7 @@ def iter_hf_weights(model, arch: Arch, tp_group, pp_group=None, head: str = "lm"
     tensors over the PP group; an MoE expert is gathered on the EP rank holding it and broadcast over ``ep_group``
     (ep > 1; not combined with pp > 1). Collective over the groups: every rank of them must iterate to the end;
     every rank gets every tensor."""
-    params = stage_parameters(model)
+    params = stage_tensors(model)
     size = dist.get_world_size(tp_group)
     table = param_map(arch, _uses_te(model), for_export=True, head=head)
     stages = 1 if pp_group is None else dist.get_world_size(pp_group)

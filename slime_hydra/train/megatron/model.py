@@ -17,6 +17,20 @@ Families and what Megatron expresses them with:
            TransformerEngine on a GPU; no shared experts); layers listed in mlp_only_layers or off the
            decoder_sparse_step keep a dense MLP (intermediate_size). Tokens reach the experts through megatron's
            allgather dispatcher (moe.py).
+    glm4_moe  GLM-4.5 (GLM-4.5-Air): q/k/v bias, q/k norm when use_qk_norm, partial (half-split) RoPE; MoE layers
+           with DeepSeek's router (see grouped_router below) after first_k_dense_replace dense layers.
+
+The grouped router (glm4_moe) is megatron's TopKRouter with moe_router_score_function="sigmoid": the expert choice
+ranks sigmoid(logit) + HF's e_score_correction_bias (megatron's expert_bias, enabled with
+moe_router_enable_expert_bias and frozen: moe_router_bias_update_rate=0, and this backend never calls megatron's
+bias update; transformers holds it as a buffer, so RL does not move it), group-limited top-k
+(moe_router_num_groups / moe_router_group_topk = n_group / topk_group; a group scores its top topk / topk_group
+experts in megatron, its top 2 in transformers, so the two agree when that quotient is 2 or every group is chosen),
+the chosen sigmoid scores renormalised (norm_topk_prob; megatron always renormalises k > 1 sigmoid scores) and
+multiplied by routed_scaling_factor (moe_router_topk_scaling_factor); router logits in fp32 as in transformers
+(moe_router_dtype); shared experts (megatron's SharedExpertMLP, moe_shared_expert_intermediate_size =
+n_shared_experts x moe_intermediate_size) added to the routed output; the first first_k_dense_replace layers keep a
+dense MLP of intermediate_size.
 """
 
 import dataclasses
@@ -49,6 +63,9 @@ class Family:
     moe: bool = False
     """Sparse layers hold a router and experts (Qwen3-MoE's num_experts, num_experts_per_tok, moe_intermediate_size,
     norm_topk_prob, decoder_sparse_step, mlp_only_layers)."""
+    grouped_router: bool = False
+    """DeepSeek's MoE layout (module docstring): n_routed_experts, the sigmoid router with its correction bias,
+    n_group / topk_group, routed_scaling_factor, n_shared_experts, first_k_dense_replace."""
 
 
 FAMILIES = {
@@ -59,6 +76,8 @@ FAMILIES = {
                    sandwich_norm=True, fused_gate_up=True, rotary_interleaved=True),
     "qwen3_moe": Family("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeRotaryEmbedding",
                         qkv_bias="o_too", qk_norm=True, moe=True),
+    "glm4_moe": Family("transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeRotaryEmbedding", qkv_bias="config",
+                       moe=True, grouped_router=True),
 }
 """HF config.model_type -> what its layers look like."""
 
@@ -100,6 +119,18 @@ class Arch:
     moe_aux_loss_coeff: float = 0.0
     """Megatron's switch load-balancing loss per MoE layer (``moe_aux_loss_coeff``); 0 (default) trains without it,
     as transformers does unless output_router_logits is set and labels are given (train=fsdp never passes labels)."""
+    moe_score: str = "softmax"
+    """The router's score function: softmax (Qwen3-MoE) or sigmoid (the grouped router)."""
+    moe_expert_bias: bool = False
+    """A fixed per-expert bias added to the scores that choose the experts (HF e_score_correction_bias)."""
+    moe_groups: int = 1
+    """Expert groups of group-limited routing (HF n_group; 1: none)."""
+    moe_group_top_k: int = 1
+    """Groups a token may route to (HF topk_group)."""
+    moe_scaling: float = 1.0
+    """Factor on the routed experts' weights (HF routed_scaling_factor)."""
+    moe_shared_ffn_hidden_size: int = 0
+    """The shared experts' total intermediate width (HF n_shared_experts x moe_intermediate_size; 0: none)."""
 
     @property
     def heads_per_group(self) -> int:
@@ -131,12 +162,14 @@ class Arch:
         rotary = rotary_cls(config)
         if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
             problems.append(f"rope with attention scaling {rotary.attention_scaling} (e.g. yarn)")
-        if family.moe and getattr(config, "shared_expert_intermediate_size", 0):
+        if family.moe and not family.grouped_router and getattr(config, "shared_expert_intermediate_size", 0):
             problems.append("shared experts (Qwen3-MoE has none)")
+        if family.grouped_router:
+            problems += _grouped_router_problems(config)
         if problems:
             raise ValueError(f"{family_name} checkpoint not expressible by train=megatron: " + "; ".join(problems))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        moe = _moe_fields(config, moe_aux_loss_coeff) if family.moe else {}
+        moe = _moe_fields(config, moe_aux_loss_coeff, family.grouped_router) if family.moe else {}
         return cls(
             family=family_name, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
             num_attention_heads=config.num_attention_heads,
@@ -145,7 +178,8 @@ class Arch:
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(config.tie_word_embeddings), norm_eps=float(config.rms_norm_eps),
             qkv_bias=family.qkv_bias == "always" or (family.qkv_bias == "config" and attention_bias),
-            qk_norm=family.qk_norm, sandwich_norm=family.sandwich_norm, fused_gate_up=family.fused_gate_up,
+            qk_norm=family.qk_norm or bool(getattr(config, "use_qk_norm", False)), sandwich_norm=family.sandwich_norm,
+            fused_gate_up=family.fused_gate_up,
             rotary_interleaved=family.rotary_interleaved,
             attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
             inv_freq=rotary.inv_freq.detach().float().cpu().clone(), **moe,
@@ -158,20 +192,43 @@ class Arch:
         return cls.from_hf(hf_config(model))
 
 
-def _moe_fields(config, aux_loss_coeff: float) -> dict[str, Any]:
-    """Arch's MoE fields from a Qwen3-MoE config. Layer i is sparse when it is not in mlp_only_layers and
-    (i + 1) % decoder_sparse_step == 0 (transformers' rule)."""
+def _moe_fields(config, aux_loss_coeff: float, grouped: bool) -> dict[str, Any]:
+    """Arch's MoE fields from a Qwen3-MoE config (layer i is sparse when it is not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0, transformers' rule) or a grouped-router one (layers from
+    first_k_dense_replace on are sparse)."""
+    if aux_loss_coeff < 0:
+        raise ValueError(f"moe_aux_loss_coeff={aux_loss_coeff} must be >= 0")
+    common = dict(moe_top_k=int(config.num_experts_per_tok), moe_ffn_hidden_size=int(config.moe_intermediate_size),
+                  moe_norm_topk=bool(getattr(config, "norm_topk_prob", False)),
+                  moe_aux_loss_coeff=float(aux_loss_coeff))
+    if grouped:
+        experts = int(config.n_routed_experts)
+        return dict(common, num_experts=experts, moe_score="sigmoid", moe_expert_bias=True,
+                    moe_layers=tuple(range(int(config.first_k_dense_replace or 0), config.num_hidden_layers)),
+                    moe_groups=int(config.n_group or 1), moe_group_top_k=int(config.topk_group or 1),
+                    moe_scaling=float(config.routed_scaling_factor),
+                    moe_shared_ffn_hidden_size=int(config.n_shared_experts or 0) * int(config.moe_intermediate_size))
     experts = int(config.num_experts)
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(config, "mlp_only_layers", None) or ())
     layers = tuple(i for i in range(config.num_hidden_layers)
                    if experts > 0 and i not in dense and (i + 1) % step == 0)
-    if aux_loss_coeff < 0:
-        raise ValueError(f"moe_aux_loss_coeff={aux_loss_coeff} must be >= 0")
-    return dict(num_experts=experts, moe_top_k=int(config.num_experts_per_tok),
-                moe_ffn_hidden_size=int(config.moe_intermediate_size),
-                moe_norm_topk=bool(getattr(config, "norm_topk_prob", False)), moe_layers=layers,
-                moe_aux_loss_coeff=float(aux_loss_coeff))
+    return dict(common, num_experts=experts, moe_layers=layers)
+
+
+def _grouped_router_problems(config) -> list[str]:
+    """What megatron's TopKRouter cannot express of transformers' grouped sigmoid router (module docstring)."""
+    out = []
+    top_k, groups, chosen = int(config.num_experts_per_tok), int(config.n_group or 1), int(config.topk_group or 1)
+    if not getattr(config, "norm_topk_prob", False):
+        out.append("norm_topk_prob=False (megatron renormalises the chosen sigmoid scores)")
+    elif top_k == 1:
+        out.append("num_experts_per_tok=1 with norm_topk_prob (megatron keeps a single expert's raw sigmoid score)")
+    if chosen < groups and top_k // chosen != 2:
+        out.append(f"n_group={groups} with topk_group={chosen} and num_experts_per_tok={top_k}: megatron scores a "
+                   f"group by its best num_experts_per_tok // topk_group = {top_k // chosen} experts, transformers by "
+                   "its best 2")
+    return out
 
 
 def _import(dotted: str):
@@ -214,8 +271,9 @@ def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device
 
     MoE (arch.is_moe): softmax router scores; norm_topk_prob=True is megatron's moe_router_pre_softmax=False (top-k
     of the logits, softmax over those k: the renormalised probabilities), False is pre-softmax (softmax over all
-    experts, then top-k); the allgather token dispatcher (moe.py says why); grouped GEMM with TransformerEngine
-    only; the load-balancing loss only when arch.moe_aux_loss_coeff > 0."""
+    experts, then top-k); the grouped router's sigmoid options (module docstring); the allgather token dispatcher
+    (moe.py says why); grouped GEMM with TransformerEngine only; the load-balancing loss only when
+    arch.moe_aux_loss_coeff > 0."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(
@@ -238,6 +296,16 @@ def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device
             moe_grouped_gemm=use_te, expert_model_parallel_size=ep, moe_permute_fusion=False,
             moe_router_load_balancing_type="aux_loss" if arch.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
+        )
+    if arch.is_moe and arch.moe_score == "sigmoid":  # the grouped router (module docstring)
+        grouped = arch.moe_group_top_k < arch.moe_groups
+        kwargs.update(
+            moe_router_score_function="sigmoid", moe_router_pre_softmax=False, moe_router_dtype="fp32",
+            moe_router_enable_expert_bias=arch.moe_expert_bias, moe_router_bias_update_rate=0.0,
+            moe_router_num_groups=arch.moe_groups if grouped else None,
+            moe_router_group_topk=arch.moe_group_top_k if grouped else None,
+            moe_router_topk_scaling_factor=arch.moe_scaling,
+            moe_shared_expert_intermediate_size=arch.moe_shared_ffn_hidden_size or None,
         )
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(overrides or {}) - fields)

@@ -10,10 +10,11 @@ Which spec:
   and MLP down projections) passing its TP group, so torch.compile takes a whole layer as one graph. With cp > 1
   attention gathers K/V over the CP group (context_parallel.py: megatron's local attention asserts cp=1, its CP
   lives in TransformerEngine's).
-- MoE layers (Qwen3-MoE's sparse layers, ``Arch.moe_layers``): the same attention, and megatron's own MoE layer
-  spec (``get_gpt_layer_local_spec(num_experts=...)``: SequentialMLP experts; with TransformerEngine its spec with
-  grouped GEMM experts) with ``moe.MoE`` and ``moe.Router`` in place of MoELayer and TopKRouter and no shared
-  experts; the other layers keep the dense MLP.
+- MoE layers (the sparse layers, ``Arch.moe_layers``): the same attention, and megatron's own MoE layer spec
+  (``get_gpt_layer_local_spec(num_experts=...)``: SequentialMLP experts; with TransformerEngine its spec with grouped
+  GEMM experts) with ``moe.MoE`` and ``moe.Router`` in place of MoELayer and TopKRouter; megatron's SharedExpertMLP
+  when the architecture has shared experts (GLM-4.5), none otherwise (Qwen3-MoE); the other layers keep the dense
+  MLP.
 - GLM-4 adds norms on the attention and MLP outputs before each residual add. The layer applies
   ``bda(training, fused)(sublayer_out_with_bias, residual, dropout_p)`` exactly there, so a bias-dropout-add
   module that norms first (``PostNormBiasDropoutAdd``) expresses them in the spec, for the local and TE specs
@@ -272,7 +273,10 @@ def layer_spec(arch, config, use_te: bool, moe: bool = False) -> ModuleSpec:
     if moe:
         spec.submodules.mlp.module = MoE
         spec.submodules.mlp.submodules.router = Router
-        spec.submodules.mlp.submodules.shared_experts = None  # Qwen3-MoE has none
+        if not arch.moe_shared_ffn_hidden_size:
+            spec.submodules.mlp.submodules.shared_experts = None
+        elif not use_te:
+            spec.submodules.mlp.submodules.shared_experts.submodules.linear_fc2 = RowParallelLinear
     else:
         spec.submodules.mlp.params = {**spec.submodules.mlp.params, "ffn_hidden_size": config.ffn_hidden_size}
     if arch.sandwich_norm:
