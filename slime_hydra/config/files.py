@@ -30,6 +30,11 @@ HF_KEYS = {
     "moe_groups": ("n_group",),
     "moe_group_top_k": ("topk_group",),
     "moe_routed_scaling": ("routed_scaling_factor",),
+    "q_lora_rank": ("q_lora_rank",),
+    "kv_lora_rank": ("kv_lora_rank",),
+    "qk_nope_head_dim": ("qk_nope_head_dim",),
+    "qk_rope_head_dim": ("qk_rope_head_dim",),
+    "v_head_dim": ("v_head_dim",),
 }
 
 

@@ -20,6 +20,10 @@ heads / KV heads / head dim):
                         A_P = rank x sum of (in + out) over the adapted linears, no compute copy; activations add
                         the adapters' fp32 inputs (4 x in bytes per token and adapted linear: PEFT upcasts x for
                         each one); no reference copy (the reference is the base, adapter off)
+    multi-latent attn.  its projections (q_a, q_b or q, kv_a with the shared RoPE key, kv_b, o) instead of q/k/v/o;
+                        activations its latents (2 (q_lora + kv_lora + rope) bytes, not split over TP) and q, k
+                        (h (nope + rope) each), v (h v_head_dim) in place of the q/k/v terms; the engine caches keys
+                        and values expanded to every head (h (nope + rope + v_head_dim) per token and layer)
     activations         T x L_stage x a,  a = 8H + 2(h + 2g)d + 2(h + g)d + 2hd + 8F  bytes per token and layer in
                         bf16 (the tensors autograd keeps: norms, q/k/v before and after RoPE, attention out, the
                         MLP's gate / up / act / product; MoE: F = F' x (k + S) for the k routed and S shared
@@ -93,10 +97,23 @@ def adapted_dims(cfg: SlimeConfig) -> list[tuple[int, int]]:
     return [dims[name] for name in cfg.train.lora.target_modules if name in dims]
 
 
+def _latent_attention(m) -> int:
+    """Multi-latent attention's parameters (model/config.py's widths): the query path (H x q_lora + its norm +
+    q_lora x h(nope + rope), or H x h(nope + rope) uncompressed), the key/value latent with the shared RoPE key
+    (H x (kv_lora + rope) + its norm), its up projection kv_lora x h(nope + v), the output h v x H."""
+    h, hidden = m.num_attention_heads, m.hidden_size
+    q_lora, kv_lora, nope, rope, v = (m.q_lora_rank or 0, m.kv_lora_rank or 0, m.qk_nope_head_dim or 0,
+                                      m.qk_rope_head_dim or 0, m.v_head_dim or 0)  # a missing one: its own problem
+    query = (hidden * q_lora + q_lora + q_lora * h * (nope + rope)) if q_lora else hidden * h * (nope + rope)
+    return query + hidden * (kv_lora + rope) + kv_lora + kv_lora * h * (nope + v) + h * v * hidden
+
+
 def param_counts(cfg: SlimeConfig) -> Params:
     m = cfg.model
     h, g, d, hidden = m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.hidden_size
     attention = hidden * h * d + 2 * hidden * g * d + h * d * hidden + (h + 2 * g) * d  # + q/k/v biases
+    if m.is_mla:
+        attention = _latent_attention(m)
     dense = 3 * hidden * m.ffn_hidden_size
     expert = 3 * hidden * (m.moe_ffn_hidden_size or 0)
     experts = m.num_experts * expert
@@ -199,6 +216,10 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
              if m.is_moe else m.ffn_hidden_size)
     tp = t.tp if megatron else 1
     per_token = 8 * hidden + (2 * (h + 2 * g) * dim + 2 * (h + g) * dim + 2 * h * dim + 8 * width) / tp
+    if m.is_mla:  # the latents (whole on every TP rank), then q, k, v, q and k after RoPE, the attention output
+        v = h * (m.v_head_dim or 0)
+        per_token = (8 * hidden + 2 * ((m.q_lora_rank or 0) + (m.kv_lora_rank or 0) + (m.qk_rope_head_dim or 0))
+                     + (2 * (2 * h * dim + v) + 2 * 2 * h * dim + 2 * v + 8 * width) / tp)
     scale = 1 if bf16 else 2
     if lora and bf16:  # PEFT's fp32 copy of each adapted linear's input (scale 2 in fp32 counts it already)
         per_token += 4 * sum(i for i, _ in adapted_dims(cfg)) / tp
@@ -230,7 +251,8 @@ def engine_usage(cfg: SlimeConfig, d: Derived) -> Usage:
     # the router may send every request of a step to one engine (cache-aware routing keeps a prompt's group together)
     slots = min(r.batch_prompts * r.n_samples_per_prompt, r.max_concurrency_per_engine)
     capacity = min(max(128, 1 << (d.context_tokens - 1).bit_length()), m.max_position_embeddings)
-    kv = slots * capacity * m.num_layers * 2 * m.num_kv_heads * m.kv_channels * width
+    head = m.kv_channels + ((m.v_head_dim or 0) if m.is_mla else m.kv_channels)  # a key's and a value's width
+    kv = slots * capacity * m.num_layers * m.num_kv_heads * head * width
     usage.parts["KV cache"] = kv * 1.5  # growing to the next power of two keeps the old cache until copied
     usage.parts["decode logits + graph outputs"] = 3 * slots * m.vocab_size * 4
     return usage

@@ -23,7 +23,10 @@ GROUPED_ROUTER_FAMILIES = ("glm4_moe", "deepseek_v3")
 experts (group-limited: model.moe_groups, moe_group_top_k), the chosen scores renormalised and scaled by
 model.moe_routed_scaling, shared experts (model.moe_shared_experts) and dense first layers
 (model.first_dense_layers)."""
-MEGATRON_FAMILIES = (*DENSE_FAMILIES, "qwen3_moe", "glm4_moe")
+MLA_FAMILIES = ("deepseek_v3",)
+"""Families with multi-latent attention (model.q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+v_head_dim)."""
+MEGATRON_FAMILIES = (*DENSE_FAMILIES, "qwen3_moe", "glm4_moe", "deepseek_v3")
 """The families train=megatron converts (train/megatron/model.FAMILIES)."""
 
 FUSED_GATE_UP = ("glm4",)
@@ -55,7 +58,8 @@ class ModelConfig:
     num_kv_heads: int = positive(2)
     """Key/value heads per layer (GQA); equal to num_attention_heads for MHA."""
     head_dim: Optional[int] = positive(None)
-    """Per-head width; null means hidden_size / num_attention_heads."""
+    """Per-head width; null means hidden_size / num_attention_heads (multi-latent attention: null, its query/key heads
+    are qk_nope_head_dim + qk_rope_head_dim wide, its value heads v_head_dim)."""
     ffn_hidden_size: int = positive(384)
     """Dense MLP intermediate width (for MoE models: the dense layers' width)."""
     vocab_size: int = positive(128)
@@ -85,6 +89,19 @@ class ModelConfig:
     moe_routed_scaling: float = positive(1.0)
     """Factor on the routed experts' renormalised weights (HF routed_scaling_factor; DeepSeek-V3: 2.5)."""
 
+    q_lora_rank: Optional[int] = positive(None)
+    """Multi-latent attention: width of the compressed query latent (HF q_lora_rank); null: queries are projected
+    from the hidden state directly (and for other attention)."""
+    kv_lora_rank: Optional[int] = positive(None)
+    """Multi-latent attention: width of the compressed key/value latent (HF kv_lora_rank); null for other attention."""
+    qk_nope_head_dim: Optional[int] = positive(None)
+    """Multi-latent attention: a query/key head's channels without RoPE (HF qk_nope_head_dim)."""
+    qk_rope_head_dim: Optional[int] = positive(None)
+    """Multi-latent attention: a query/key head's channels with RoPE; the key's are one projection shared by every
+    head (HF qk_rope_head_dim)."""
+    v_head_dim: Optional[int] = positive(None)
+    """Multi-latent attention: a value head's width (HF v_head_dim)."""
+
     tokenizer: Optional[str] = choice(None, ("char", "bpe"))
     """A model built offline when path is null (model/warm_start.py): char (one token per character, model/tiny.py)
     or bpe (byte-level BPE trained on the task's text, model/bpe.py); null: the model needs path."""
@@ -97,8 +114,18 @@ class ModelConfig:
 
     @property
     def kv_channels(self) -> int:
-        """Per-head width actually used (head_dim, or hidden_size / num_attention_heads)."""
-        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+        """Per-head query/key width actually used (head_dim; with multi-latent attention qk_nope_head_dim +
+        qk_rope_head_dim; else hidden_size / num_attention_heads)."""
+        if self.head_dim is not None:
+            return self.head_dim
+        if self.is_mla:
+            return (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-latent attention (MLA_FAMILIES)."""
+        return self.family in MLA_FAMILIES
 
     @property
     def is_moe(self) -> bool:
@@ -120,6 +147,7 @@ class ModelConfig:
             yield Problem((f"{prefix}vocab_size",), f"the character tokenizer has {CHAR_VOCAB} tokens, more than "
                           f"vocab_size={self.vocab_size}", f"set {prefix}vocab_size={CHAR_VOCAB} or more")
         yield from self._moe_problems(prefix)
+        yield from self._mla_problems(prefix)
         if self.num_kv_heads > 0 and self.num_attention_heads % self.num_kv_heads:
             yield Problem((f"{prefix}num_attention_heads", f"{prefix}num_kv_heads"),
                           f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -147,6 +175,33 @@ class ModelConfig:
                           f"{self.num_experts}")
         yield from self._router_problems(prefix)
 
+    def _mla_problems(self, prefix: str) -> Iterator[Problem]:
+        """Multi-latent attention's widths are all set for an MLA family and none for the others."""
+        names = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if not self.is_mla:
+            set_ = [n for n in names if getattr(self, n) is not None]
+            if set_:
+                yield Problem(tuple(f"{prefix}{n}" for n in set_) + (f"{prefix}family",),
+                              f"family={self.family} has no multi-latent attention; {', '.join(set_)} describe none "
+                              "of its layers", f"remove them, or set {prefix}family to one of {', '.join(MLA_FAMILIES)}")
+            return
+        missing = [n for n in names[1:] if getattr(self, n) is None]
+        if missing:
+            yield Problem(tuple(f"{prefix}{n}" for n in missing), f"family={self.family} (multi-latent attention) "
+                          f"needs {', '.join(missing)}", "set them from the checkpoint's config.json")
+        if self.head_dim is not None:
+            yield Problem((f"{prefix}head_dim",), f"family={self.family} gives its head widths as qk_nope_head_dim, "
+                          f"qk_rope_head_dim and v_head_dim; head_dim={self.head_dim} would be a second answer",
+                          f"set {prefix}head_dim=null")
+        if self.qk_rope_head_dim is not None and self.qk_rope_head_dim % 2:
+            yield Problem((f"{prefix}qk_rope_head_dim",), f"qk_rope_head_dim={self.qk_rope_head_dim} rotates pairs "
+                          "of channels: it must be even", "check it against the checkpoint's config.json")
+        if self.num_kv_heads != self.num_attention_heads:
+            yield Problem((f"{prefix}num_kv_heads", f"{prefix}num_attention_heads"),
+                          f"multi-latent attention expands its keys and values to every head: num_kv_heads="
+                          f"{self.num_kv_heads} must equal num_attention_heads={self.num_attention_heads}",
+                          f"set {prefix}num_kv_heads={self.num_attention_heads}")
+
     def _router_problems(self, prefix: str) -> Iterator[Problem]:
         """DeepSeek's router and layer layout (GROUPED_ROUTER_FAMILIES): groups that split the experts evenly, enough
         experts in the chosen groups, dense first layers that leave MoE layers; other families leave the fields at
@@ -167,7 +222,7 @@ class ModelConfig:
                           f"first_dense_layers={self.first_dense_layers} of num_layers={self.num_layers} leaves no "
                           "MoE layer", "check the model option's numbers against its config.json "
                           "(first_k_dense_replace)")
-        if not experts:
+        if not experts or groups < 1 or chosen < 1:  # (a value below 1 is its field's domain problem)
             return
         if experts % groups:
             yield Problem((f"{prefix}moe_groups", f"{prefix}num_experts"), f"moe_groups={groups} does not split "

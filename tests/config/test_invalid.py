@@ -8,6 +8,7 @@ from tests.config.helpers import problems
 BIG = ("model=qwen3_8b", "model.path=/ckpt/qwen3_8b")  # heads 32, kv 8, layers 36, context 40960
 GPU8 = ("cluster.gpus_per_node=8",)
 AIR = ("model=glm4_5_air", "model.path=/ckpt/glm4_5_air")  # 128 experts, 8 per token, 1 group
+DSV3 = ("model=deepseek_v3", "model.path=/ckpt/deepseek_v3")  # multi-latent attention, 128 heads
 
 # (overrides, a key the error must name, a fragment of its message or fix)
 INVALID = [
@@ -38,6 +39,17 @@ INVALID = [
      "family=qwen3_moe has no shared experts"),
     ((*AIR, "train=megatron", "model.moe_groups=8", "model.moe_group_top_k=2", "train.micro_batch_samples=1"),
      "model.moe_groups", "scores a group by its best 4 experts"),
+    # multi-latent attention (deepseek_v3)
+    ((*DSV3, "model.head_dim=128"), "model.head_dim", "set model.head_dim=null"),
+    ((*DSV3, "model.v_head_dim=null"), "model.v_head_dim", "needs v_head_dim"),
+    ((*DSV3, "model.num_kv_heads=8"), "model.num_kv_heads", "set model.num_kv_heads=128"),
+    ((*AIR, "model.kv_lora_rank=512"), "model.kv_lora_rank", "family=glm4_moe has no multi-latent attention"),
+    ((*DSV3, *GPU8, "train=megatron", "train.num_gpus=8", "train.tp=8", "model.kv_lora_rank=510",
+      "train.micro_batch_samples=1"), "model.kv_lora_rank", "574 rows, not divisible by train.tp=8"),
+    ((*DSV3, "train.lora.rank=8", "train.lora.target_modules=[q_proj,o_proj]"), "train.lora.target_modules",
+     "no q/k/v_proj"),
+    ((*DSV3, "train=megatron", "train.lora.rank=8", "train.lora.target_modules=[o_proj]"), "train.lora.rank",
+     "LoRA on multi-latent attention is not built for train=megatron"),
     # parallelism
     ((*BIG, "train=megatron", "train.num_gpus=6", "train.tp=4"), "train.num_gpus", "multiple of 4"),
     ((*BIG, "train=megatron", "train.num_gpus=3", "train.tp=3", "train.micro_batch_samples=1"),
@@ -175,7 +187,6 @@ INVALID = [
     (("cluster=slurm", "cluster.sbatch_extra=['--x=1\n#SBATCH --y']"), "cluster.sbatch_extra", "spans lines"),
     (("model.name=../../etc", "model.path=/tmp"), "model.name", "not a plain name"),
     # what a backend would refuse at start-up
-    (("model=deepseek_v3", "model.path=/ckpt", "train=megatron"), "model.family", "multi-latent attention"),
     (("model=tiny_moe", "train=megatron", "train.ep=2", "train.num_gpus=4", "train.pp=2",
       "train.micro_batch_samples=1"), "train.ep", "tensor and data parallelism only"),
     (("model=tiny_moe", "train=megatron", "train.ep=4", "train.num_gpus=2", "train.micro_batch_samples=1"),

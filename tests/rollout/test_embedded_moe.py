@@ -1,9 +1,10 @@
 """The embedded engine serving mixture-of-experts models: model=tiny_moe's Qwen3-MoE layers (random init), whose
 logprobs are transformers' (the dense gate), and whose weight updates land whether they name the fused expert tensors
 the model holds (tensor and broadcast syncs) or come as a checkpoint directory, whose files store one tensor per
-expert; and tiny GLM-4.5 models (model/hf.py's random-init builder; the grouped sigmoid router with a random
-correction bias, shared experts, a dense first layer), whose logprobs over concurrent requests (prefill of unequal
-prompts, batched decode) are transformers'."""
+expert; and tiny GLM-4.5 and DeepSeek-V3 models (model/hf.py's random-init builder; the grouped sigmoid router with
+a random correction bias, shared experts, a dense first layer; DeepSeek-V3's multi-latent attention, whose keys and
+values differ in width), whose logprobs over concurrent requests (prefill of unequal prompts, batched decode) are
+transformers'."""
 
 import asyncio
 from dataclasses import replace
@@ -107,7 +108,12 @@ TINY_GROUPED = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, 
                            first_dense_layers=1, moe_groups=4, moe_group_top_k=2, moe_routed_scaling=2.5)
 """The grouped router's shape: 8 experts in 4 groups, 2 groups and 4 experts per token, one shared expert, layer 0
 dense."""
-FAMILIES = {"glm4_moe": replace(TINY_GROUPED, family="glm4_moe")}
+FAMILIES = {
+    "glm4_moe": replace(TINY_GROUPED, family="glm4_moe"),
+    # multi-latent attention: keys 16 + 8 wide (8 with RoPE), values 12: the slot cache holds both widths
+    "deepseek_v3": replace(TINY_GROUPED, family="deepseek_v3", num_kv_heads=4, head_dim=None, q_lora_rank=24,
+                           kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12),
+}
 PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5], [8, 9, 7, 9, 3]]
 
 

@@ -1,23 +1,27 @@
-"""train=megatron with the grouped-router MoE families (GLM-4.5 ``glm4_moe``) on CPU with gloo, against
-transformers 5's modeling (train=fsdp).
+"""train=megatron with the grouped-router MoE families (GLM-4.5 ``glm4_moe``, DeepSeek-V3 ``deepseek_v3`` with
+multi-latent attention) on CPU with gloo, against transformers 5's modeling (train=fsdp).
 
 Tiny random checkpoints (fp32; weights ~ N(0, 0.2), norms ~ U(0.8, 1.2), the router's correction bias ~ N(0, 0.1), so
 the sigmoid scores are far from ties): 8 experts in 4 groups, a token choosing 4 experts in 2 groups, routed weights
-scaled by 2.5, one shared expert, layer 0 dense. Measured: logits equal transformers' within 1e-4 at TP1, TP2 and EP2;
-weights round-trip HF -> megatron -> HF bit for bit; the first training step's loss and grad norm equal train=fsdp's
-within 1e-5 relative (three steps within 1e-4), TP2 and EP2 equal TP1, and the correction bias is not trained.
+scaled by 2.5, one shared expert, layer 0 dense; DeepSeek-V3 with query compression and interleaved RoPE, and a
+second one without query compression, with half-split RoPE (rope_interleave=False) and yarn scaling (an attention
+factor != 1 and a softmax mscale). Measured: logits equal transformers' within 1e-4 at TP1, TP2 and EP2; weights
+round-trip HF -> megatron -> HF bit for bit; the first training step's loss and grad norm equal train=fsdp's within
+1e-5 relative (three steps within 1e-4), TP2, PP2, CP2 and EP2 equal TP1 (at TP2 MLA's shared RoPE key gathers its
+gradient from every rank's heads: mla.py), and the correction bias is not trained.
 
 One spawned 2-rank run (~10 s to start on an idle machine) computes everything; the tests assert on its results.
 Functions run on spawned ranks are module-level (pickled by name).
 """
 
+import math
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, Glm4MoeConfig
+from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
 
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.megatron.convert import param_map
@@ -30,10 +34,23 @@ GROUPED = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermed
                n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
                num_hidden_layers=3, tie_word_embeddings=False)
 """The grouped router's shape, shared by the families."""
+LATENT = dict(GROUPED, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+              qk_rope_head_dim=8, v_head_dim=12)
+"""Multi-latent attention: 4 heads, queries from a 24-wide latent, keys/values from a 16-wide one, query/key heads of
+16 + 8 (RoPE) channels, value heads of 12."""
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32,
+            beta_slow=1, mscale=1.0, mscale_all_dim=0.8)
+"""yarn with mscale != mscale_all_dim: cos/sin scaled by transformers' attention factor (1.04), the softmax by
+mscale(4, 0.8)^2."""
 CHECKPOINTS = {
     # GLM-4.5: q/k/v biases, q/k norms (GLM-4.5; GLM-4.5-Air has none), RoPE on half of each 16-wide head
     "glm4_moe": (Glm4MoeConfig, dict(GROUPED, head_dim=16, attention_bias=True, use_qk_norm=True)),
+    "deepseek_v3": (DeepseekV3Config, LATENT),
+    "deepseek_v3_yarn": (DeepseekV3Config, dict(LATENT, q_lora_rank=None, rope_interleave=False,
+                                                rope_parameters=YARN)),
 }
+TRAINED = ("glm4_moe", "deepseek_v3")
+"""The checkpoints trained on both backends (all are converted)."""
 EP2_ROWS = list(range(7))
 """The EP2 step's batch: 7 rows, DP rank 0 gets 4 (two micro-batches of <= 3), rank 1 three (one, plus an empty one)."""
 
@@ -101,13 +118,19 @@ def _ranks(rank, world, paths):
         init_parallel(tp, ep=ep)
         out[tp, ep] = {family: _logits_and_weights(path, tp, ep) for family, path in paths.items()}
         parallel_state.destroy_model_parallel()
-    for family, path in paths.items():
+    for family in TRAINED:
+        path = paths[family]
         tp2 = MegatronBackend(path, TrainConfig(**CFG, tp=2, micro_batch_samples=3), total_steps=3)
         out[family, "tp2"] = _steps(tp2, batch, 1)
         parallel_state.destroy_model_parallel()
         ep2 = MegatronBackend(path, TrainConfig(**CFG, ep=2, micro_batch_samples=3), total_steps=3)
         out[family, "ep2"] = _steps(ep2, rows.select(list(range(ep2.dp_rank, len(EP2_ROWS), ep2.dp_size))), 1)
         parallel_state.destroy_model_parallel()
+        for name, parallel in (("pp2", dict(pp=2, megatron={"num_layers_in_first_pipeline_stage": 2})),
+                               ("cp2", dict(cp=2))):
+            backend = MegatronBackend(path, TrainConfig(**CFG, **parallel, micro_batch_samples=3), total_steps=3)
+            out[family, name] = _steps(backend, batch, 1)
+            parallel_state.destroy_model_parallel()
         megatron = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=8), total_steps=3)
         out[family, "megatron"] = _steps(megatron, batch, 3)
         out[family, "weights"] = {name: t.clone() for name, t in megatron.iter_full_weights()}
@@ -148,6 +171,47 @@ def test_arch_reads_the_grouped_router_fields(checkpoints):
                                                                   "model.layers.0.mlp.up_proj.weight")
 
 
+def test_arch_reads_multi_latent_attention(checkpoints):
+    arch = Arch.from_hf(AutoConfig.from_pretrained(checkpoints["deepseek_v3"]))
+    assert (arch.q_lora_rank, arch.kv_lora_rank, arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim,
+            arch.head_dim, arch.rope_interleave) == (24, 16, 16, 8, 12, 24, True)
+    assert arch.is_mla and arch.inv_freq.numel() == 4 and (arch.rope_scaling_factor, arch.mscale_all_dim) == (1.0, 0.0)
+    assert (arch.moe_layers, arch.moe_groups, arch.moe_shared_ffn_hidden_size) == ((1, 2), 4, 32)
+    yarn = Arch.from_hf(AutoConfig.from_pretrained(checkpoints["deepseek_v3_yarn"]))
+    assert (yarn.q_lora_rank, yarn.rope_interleave, yarn.rope_scaling_factor, yarn.mscale_all_dim) == (0, False, 4.0, 0.8)
+    assert yarn.rope_attention_scaling == pytest.approx((0.1 * math.log(4) + 1) / (0.08 * math.log(4) + 1))
+    names = {p.megatron: p for p in param_map(arch)}
+    assert names["decoder.layers.0.self_attention.linear_q_up_proj.weight"].hf == (
+        "model.layers.0.self_attn.q_b_proj.weight",)
+    assert names["decoder.layers.2.self_attention.linear_kv_down_proj.weight"].kind == "latent_kv"
+    assert "decoder.layers.0.self_attention.linear_q_proj.weight" in {p.megatron for p in param_map(yarn)}
+
+
+def test_megatron_yarn_formulas_reproduce_transformers_for_deepseek_v3():
+    """DeepSeek-V3's own rope_scaling (factor 40 from 4096 positions, mscale = mscale_all_dim = 1): megatron-core's
+    yarn (YarnRotaryEmbedding's correction range, ramp and concentration factor; MLA's softmax mscale) gives
+    transformers' inverse frequencies, attention factor and softmax scale. (YarnRotaryEmbedding itself moves its
+    tables to CUDA, so train=megatron applies transformers' frequencies: mla.LatentRotary.)"""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_find_correction_range, _yarn_get_concentration_factor, _yarn_get_mscale, _yarn_linear_ramp_mask)
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, beta_fast=32,
+                beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+    config = DeepseekV3Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=2, q_lora_rank=16,
+                              kv_lora_rank=16, max_position_embeddings=163840, rope_parameters=rope)
+    hf = DeepseekV3RotaryEmbedding(config)
+    dim, base = config.qk_rope_head_dim, 10000.0
+    extra = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    low, high = _yarn_find_correction_range(32, 1, dim, base, 4096)
+    mask = 1.0 - _yarn_linear_ramp_mask(low, high, dim // 2, device="cpu")
+    megatron = extra / 40.0 * (1 - mask) + extra * mask
+    torch.testing.assert_close(megatron, hf.inv_freq, rtol=1e-6, atol=0)
+    assert _yarn_get_concentration_factor(40.0, 1.0, 1.0) == pytest.approx(hf.attention_scaling, rel=1e-12)
+    softmax = _yarn_get_mscale(40.0, 1.0) ** 2 / math.sqrt(config.qk_head_dim)
+    assert softmax == pytest.approx(DeepseekV3Attention(config, 0).scaling, rel=1e-12)
+
+
 def test_megatron_config_is_the_grouped_sigmoid_router(checkpoints):
     from slime_hydra.train.megatron.model import transformer_config
 
@@ -162,9 +226,10 @@ def test_megatron_config_is_the_grouped_sigmoid_router(checkpoints):
     (dict(norm_topk_prob=False), "norm_topk_prob=False"),
     (dict(topk_group=1), "n_group=4 with topk_group=1 and num_experts_per_tok=4"),  # 4 // 1 = 4 experts score a group
     (dict(num_experts_per_tok=1, n_group=1, topk_group=1), "num_experts_per_tok=1"),
+    (dict(attention_bias=True), "attention_bias=True (biases on q_a_proj"),  # DeepSeek-V3's
 ])
 def test_what_megatron_cannot_express_is_refused_naming_the_key(change, named):
-    config_class, shape = CHECKPOINTS["glm4_moe"]
+    config_class, shape = CHECKPOINTS["glm4_moe" if "attention_bias" not in change else "deepseek_v3"]
     with pytest.raises(ValueError, match="not expressible by train=megatron") as error:
         Arch.from_hf(config_class(**{**shape, **change}))
     assert named in str(error.value)
@@ -187,21 +252,22 @@ def test_megatron_logits_equal_transformers_and_weights_round_trip(ranks, checkp
 
 
 # ---- training ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", CHECKPOINTS)
+@pytest.mark.parametrize("family", TRAINED)
 def test_training_agrees_with_fsdp_and_tp2_ep2_with_tp1(ranks, family):
-    """The first step within 1e-5 relative of train=fsdp's loss and grad norm, three steps within 1e-4; TP2's and
-    EP2's first step within 1e-5 of TP1's on the same rows."""
+    """The first step within 1e-5 relative of train=fsdp's loss and grad norm, three steps within 1e-4; TP2's, PP2's
+    (layers 0-1 | 2), CP2's and EP2's first step within 1e-5 of TP1's on the same rows."""
     for rank in range(2):
         megatron, fsdp = ranks[rank][family, "megatron"], ranks[rank][family, "fsdp"]
         print(f"{family} megatron vs fsdp, max relative diff: first step {_max_rel(megatron[:1], fsdp[:1]):.1e}, "
               f"three steps {_max_rel(megatron, fsdp):.1e}")
         assert _max_rel(megatron[:1], fsdp[:1]) < 1e-5 and _max_rel(megatron, fsdp) < 1e-4, (megatron, fsdp)
         assert megatron[2][0] < megatron[0][0]  # the policy-gradient loss falls
-        assert _max_rel(ranks[rank][family, "tp2"], megatron[:1]) < 1e-5
+        for name in ("tp2", "pp2", "cp2"):
+            assert _max_rel(ranks[rank][family, name], megatron[:1]) < 1e-5, (name, ranks[rank][family, name])
         assert _max_rel(ranks[rank][family, "ep2"], ranks[rank][family, "rows7"]) < 1e-5
 
 
-@pytest.mark.parametrize("family", CHECKPOINTS)
+@pytest.mark.parametrize("family", TRAINED)
 def test_weights_are_named_as_fsdp_and_the_correction_bias_is_not_trained(ranks, checkpoints, family):
     weights, fsdp = ranks[0][family, "weights"], ranks[0][family, "fsdp_weights"]
     assert set(weights) == set(fsdp)
