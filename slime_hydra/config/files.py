@@ -25,6 +25,16 @@ HF_KEYS = {
     "num_experts": ("num_experts", "n_routed_experts"),
     "moe_top_k": ("num_experts_per_tok",),
     "moe_ffn_hidden_size": ("moe_intermediate_size",),
+    "moe_shared_experts": ("n_shared_experts",),
+    "first_dense_layers": ("first_k_dense_replace",),
+    "moe_groups": ("n_group",),
+    "moe_group_top_k": ("topk_group",),
+    "moe_routed_scaling": ("routed_scaling_factor",),
+    "q_lora_rank": ("q_lora_rank",),
+    "kv_lora_rank": ("kv_lora_rank",),
+    "qk_nope_head_dim": ("qk_nope_head_dim",),
+    "qk_rope_head_dim": ("qk_rope_head_dim",),
+    "v_head_dim": ("v_head_dim",),
 }
 
 

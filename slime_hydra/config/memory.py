@@ -13,14 +13,21 @@ heads / KV heads / head dim):
     trainer static      P x (4 fp32 master + 4 fp32 grad + 8 Adam / ZeRO peers) + P x 2 bf16 compute copy + P x 2
                         its gradients (GPU, bf16; added into the fp32 grads after the backward); a MoE layer's
                         routed experts count E x 3HF' (F' one expert's width), split by megatron over TP x EP with
-                        their Adam state over DP x CP / EP peers
+                        their Adam state over DP x CP / EP peers, its S shared experts S x 3HF' (split like a dense
+                        MLP), its router E x H; the first_dense_layers hold a dense MLP (3HF) instead; a pipeline
+                        stage is counted as if all its layers were MoE layers (the busiest)
     with train.lora     P x 2 (bf16; 4 fp32) frozen base + A_P x (4 fp32 adapter + 4 grad + 8 Adam / ZeRO peers),
                         A_P = rank x sum of (in + out) over the adapted linears, no compute copy; activations add
                         the adapters' fp32 inputs (4 x in bytes per token and adapted linear: PEFT upcasts x for
                         each one); no reference copy (the reference is the base, adapter off)
+    multi-latent attn.  its projections (q_a, q_b or q, kv_a with the shared RoPE key, kv_b, o) instead of q/k/v/o;
+                        activations its latents (2 (q_lora + kv_lora + rope) bytes, not split over TP) and q, k
+                        (h (nope + rope) each), v (h v_head_dim) in place of the q/k/v terms; the engine caches keys
+                        and values expanded to every head (h (nope + rope + v_head_dim) per token and layer)
     activations         T x L_stage x a,  a = 8H + 2(h + 2g)d + 2(h + g)d + 2hd + 8F  bytes per token and layer in
                         bf16 (the tensors autograd keeps: norms, q/k/v before and after RoPE, attention out, the
-                        MLP's gate / up / act / product); TP divides the head and F terms; x2 in fp32; with
+                        MLP's gate / up / act / product; MoE: F = F' x (k + S) for the k routed and S shared
+                        experts a token meets); TP divides the head and F terms; x2 in fp32; with
                         recomputation 2H per token and layer plus one layer's full set; PP: the first stage keeps
                         min(pp, micro-batches) in flight
     logits              K x V / tp x 4 bytes compiled (bf16 logits and their grad; the fp32 logsumexp is fused),
@@ -65,15 +72,20 @@ class Params:
     """Parameter counts of the model option (from its architecture numbers)."""
 
     per_layer: int
-    """All of one decoder layer's parameters (the routed experts included)."""
+    """All of one decoder layer's parameters (a MoE layer's: the routed experts included)."""
     embedding: int
     head: int
     final_norm: int
     experts_per_layer: int = 0
     """The routed experts' part of per_layer (megatron splits them over the EP ranks)."""
+    dense_layers: int = 0
+    """Layers of a MoE model holding a dense MLP instead (the first ones)."""
+    dense_layer: int = 0
+    """All of one such dense layer's parameters."""
 
     def total(self, layers: int) -> int:
-        return self.per_layer * layers + self.embedding + self.head + self.final_norm
+        return (self.per_layer * (layers - self.dense_layers) + self.dense_layer * self.dense_layers
+                + self.embedding + self.head + self.final_norm)
 
 
 def adapted_dims(cfg: SlimeConfig) -> list[tuple[int, int]]:
@@ -85,15 +97,31 @@ def adapted_dims(cfg: SlimeConfig) -> list[tuple[int, int]]:
     return [dims[name] for name in cfg.train.lora.target_modules if name in dims]
 
 
+def _latent_attention(m) -> int:
+    """Multi-latent attention's parameters (model/config.py's widths): the query path (H x q_lora + its norm +
+    q_lora x h(nope + rope), or H x h(nope + rope) uncompressed), the key/value latent with the shared RoPE key
+    (H x (kv_lora + rope) + its norm), its up projection kv_lora x h(nope + v), the output h v x H."""
+    h, hidden = m.num_attention_heads, m.hidden_size
+    q_lora, kv_lora, nope, rope, v = (m.q_lora_rank or 0, m.kv_lora_rank or 0, m.qk_nope_head_dim or 0,
+                                      m.qk_rope_head_dim or 0, m.v_head_dim or 0)  # a missing one: its own problem
+    query = (hidden * q_lora + q_lora + q_lora * h * (nope + rope)) if q_lora else hidden * h * (nope + rope)
+    return query + hidden * (kv_lora + rope) + kv_lora + kv_lora * h * (nope + v) + h * v * hidden
+
+
 def param_counts(cfg: SlimeConfig) -> Params:
     m = cfg.model
     h, g, d, hidden = m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.hidden_size
     attention = hidden * h * d + 2 * hidden * g * d + h * d * hidden + (h + 2 * g) * d  # + q/k/v biases
-    experts = m.num_experts * 3 * hidden * (m.moe_ffn_hidden_size or 0)
-    mlp = experts + hidden * m.num_experts if m.is_moe else 3 * hidden * m.ffn_hidden_size  # + the router
+    if m.is_mla:
+        attention = _latent_attention(m)
+    dense = 3 * hidden * m.ffn_hidden_size
+    expert = 3 * hidden * (m.moe_ffn_hidden_size or 0)
+    experts = m.num_experts * expert
+    mlp = experts + m.moe_shared_experts * expert + hidden * m.num_experts if m.is_moe else dense  # + the router
     embedding = m.vocab_size * hidden
     return Params(per_layer=attention + mlp + 4 * hidden, embedding=embedding,
-                  head=0 if m.tie_word_embeddings else embedding, final_norm=hidden, experts_per_layer=experts)
+                  head=0 if m.tie_word_embeddings else embedding, final_norm=hidden, experts_per_layer=experts,
+                  dense_layers=m.first_dense_layers if m.is_moe else 0, dense_layer=attention + dense + 4 * hidden)
 
 
 @dataclass
@@ -155,9 +183,12 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
     megatron = t.backend == "megatron"
     layers = math.ceil(m.num_layers / t.pp) if megatron else m.num_layers
     if megatron:  # the busiest stage: its layers, the embedding (first) and the head (last), split over TP; the
-        # routed experts over TP x EP, their Adam state over the DP x CP ranks that hold the same experts (/ EP)
-        experts = counts.experts_per_layer * layers / (t.tp * t.ep)
-        params = (counts.per_layer * layers - counts.experts_per_layer * layers
+        # routed experts over TP x EP, their Adam state over the DP x CP ranks that hold the same experts (/ EP);
+        # with pp > 1 every layer of the stage counted as a MoE layer, the dense first ones being on the first stage
+        dense = counts.dense_layers if t.pp == 1 else 0
+        experts = counts.experts_per_layer * (layers - dense) / (t.tp * t.ep)
+        params = (counts.per_layer * (layers - dense) + counts.dense_layer * dense
+                  - counts.experts_per_layer * (layers - dense)
                   + (counts.embedding + counts.head if t.pp == 1 else counts.embedding)) / t.tp + experts
         peers = d.dp * t.cp if t.distributed_optimizer else 1
         adam_peers = params / ((params - experts) / peers + experts / max(peers // t.ep, 1))
@@ -181,9 +212,14 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
         usage.parts["bf16 gradients"] = params * 2 / shard  # the compute copy's, added into the fp32 grads after
     tokens, logits = _tokens(cfg, d)
     h, g, dim, hidden = m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.hidden_size
-    width = (m.moe_ffn_hidden_size or m.ffn_hidden_size) * max(m.moe_top_k, 1) if m.is_moe else m.ffn_hidden_size
+    width = ((m.moe_ffn_hidden_size or m.ffn_hidden_size) * (max(m.moe_top_k, 1) + m.moe_shared_experts)
+             if m.is_moe else m.ffn_hidden_size)
     tp = t.tp if megatron else 1
     per_token = 8 * hidden + (2 * (h + 2 * g) * dim + 2 * (h + g) * dim + 2 * h * dim + 8 * width) / tp
+    if m.is_mla:  # the latents (whole on every TP rank), then q, k, v, q and k after RoPE, the attention output
+        v = h * (m.v_head_dim or 0)
+        per_token = (8 * hidden + 2 * ((m.q_lora_rank or 0) + (m.kv_lora_rank or 0) + (m.qk_rope_head_dim or 0))
+                     + (2 * (2 * h * dim + v) + 2 * 2 * h * dim + 2 * v + 8 * width) / tp)
     scale = 1 if bf16 else 2
     if lora and bf16:  # PEFT's fp32 copy of each adapted linear's input (scale 2 in fp32 counts it already)
         per_token += 4 * sum(i for i, _ in adapted_dims(cfg)) / tp
@@ -215,7 +251,8 @@ def engine_usage(cfg: SlimeConfig, d: Derived) -> Usage:
     # the router may send every request of a step to one engine (cache-aware routing keeps a prompt's group together)
     slots = min(r.batch_prompts * r.n_samples_per_prompt, r.max_concurrency_per_engine)
     capacity = min(max(128, 1 << (d.context_tokens - 1).bit_length()), m.max_position_embeddings)
-    kv = slots * capacity * m.num_layers * 2 * m.num_kv_heads * m.kv_channels * width
+    head = m.kv_channels + ((m.v_head_dim or 0) if m.is_mla else m.kv_channels)  # a key's and a value's width
+    kv = slots * capacity * m.num_layers * m.num_kv_heads * head * width
     usage.parts["KV cache"] = kv * 1.5  # growing to the next power of two keeps the old cache until copied
     usage.parts["decode logits + graph outputs"] = 3 * slots * m.vocab_size * 4
     return usage

@@ -13,7 +13,7 @@ from slime_hydra.algo.config import GROUP_ESTIMATORS
 from slime_hydra.data.config import MAX_LEVELS
 from slime_hydra.data.tasks import get_env
 from slime_hydra.reward.config import REWARD_NAMES
-from slime_hydra.model.config import FUSED_GATE_UP, MEGATRON_FAMILIES, QKV_BIAS
+from slime_hydra.model.config import FUSED_GATE_UP, GROUPED_ROUTER_FAMILIES, MEGATRON_FAMILIES, QKV_BIAS
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import memory_problems, plan_memory
 from slime_hydra.config.passthrough import check_passthrough
@@ -40,10 +40,10 @@ def check_backend(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     if t.backend == "megatron":
         if m.family not in MEGATRON_FAMILIES:
             yield Problem(("train.backend", "model.family"),
-                          f"train=megatron converts {', '.join(MEGATRON_FAMILIES)} checkpoints; {m.family} "
-                          "(multi-latent attention) is not built for it yet",
-                          "use another model family")
+                          f"train=megatron converts {', '.join(MEGATRON_FAMILIES)} checkpoints, not {m.family}",
+                          "use train=fsdp (transformers' modeling)")
         yield from megatron_moe_problems(t, m.num_experts)
+        yield from _megatron_router_problems(cfg)
         if m.vocab_size % t.tp:
             yield Problem(("train.tp", "model.vocab_size"),
                           f"the vocabulary ({m.vocab_size} rows) is split over TP ranks: not divisible by "
@@ -55,6 +55,22 @@ def check_backend(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     elif t.ep > 1:
         yield Problem(("train.ep", "train.backend"), f"train=fsdp has no expert parallelism (ep={t.ep})",
                       "set train.ep=1")
+
+
+def _megatron_router_problems(cfg: SlimeConfig) -> Iterator[Problem]:
+    """The grouped router's settings megatron's TopKRouter computes differently from transformers (train/megatron/
+    model.py, which refuses them again at construction from the checkpoint's config)."""
+    m = cfg.model
+    if m.family not in GROUPED_ROUTER_FAMILIES or not m.is_moe or m.moe_group_top_k < 1:
+        return
+    if m.moe_top_k == 1:
+        yield Problem(("model.moe_top_k", "train.backend"), "one expert per token: transformers renormalises its "
+                      "weight to 1, megatron keeps the raw sigmoid score", "use train=fsdp for this model")
+    if m.moe_group_top_k < m.moe_groups and m.moe_top_k // m.moe_group_top_k != 2:
+        yield Problem(("model.moe_groups", "model.moe_group_top_k", "model.moe_top_k", "train.backend"),
+                      f"group-limited routing with moe_top_k={m.moe_top_k} over moe_group_top_k={m.moe_group_top_k}: "
+                      f"megatron scores a group by its best {m.moe_top_k // m.moe_group_top_k} experts, "
+                      "transformers by its best 2", "use train=fsdp for this model")
 
 
 def check_batch(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -101,6 +117,12 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
         yield Problem(("train.tp", "model.num_kv_heads"),
                       f"model.num_kv_heads={m.num_kv_heads} is not divisible by train.tp={t.tp}",
                       f"choose train.tp among {_divisors(m.num_kv_heads)}")
+    if m.is_mla and t.backend == "megatron":  # megatron splits the latent down projections' rows over TP
+        for key, rows in (("q_lora_rank", m.q_lora_rank),
+                          ("kv_lora_rank", (m.kv_lora_rank or 0) + (m.qk_rope_head_dim or 0))):
+            if rows and rows % t.tp:
+                yield Problem(("train.tp", f"model.{key}"), f"multi-latent attention's {key} projection has "
+                              f"{rows} rows, not divisible by train.tp={t.tp}", f"choose train.tp among {_divisors(rows)}")
     # Megatron's uneven pipeline: the first/last stage may hold a given number of layers, the rest split evenly.
     uneven = {k: t.megatron[k] for k in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
               if t.megatron.get(k) is not None}
@@ -242,7 +264,15 @@ def check_lora(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"model.family={cfg.model.family} holds its MLPs as routed experts in fused [experts, ...] "
                       f"tensors, not as the linears {mlp} PEFT adapts (it would skip them and train none)",
                       "adapt the attention: train.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
-    if t.backend == "megatron":
+    if cfg.model.is_mla and {"q_proj", "k_proj", "v_proj"} & set(lora.target_modules):
+        yield Problem(("train.lora.target_modules", "model.family"),
+                      f"model.family={cfg.model.family} has multi-latent attention (q_a_proj, q_b_proj, "
+                      "kv_a_proj_with_mqa, kv_b_proj), no q/k/v_proj for PEFT to adapt",
+                      "adapt its output projection: train.lora.target_modules=[o_proj]")
+    if t.backend == "megatron" and cfg.model.is_mla:
+        yield Problem(("train.lora.rank", "train.backend"), "LoRA on multi-latent attention is not built for "
+                      "train=megatron", "use train=fsdp, or train.lora.rank=0")
+    elif t.backend == "megatron":
         yield from megatron_lora_problems(lora, t.tp, cfg.model.num_kv_heads, False,
                                           cfg.model.family in QKV_BIAS, t.megatron)
     if d.lora_sync != "adapter":

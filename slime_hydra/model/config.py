@@ -12,13 +12,21 @@ from typing import Iterator, Optional
 
 from slime_hydra.options import Problem, choice, non_negative, positive
 
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "deepseek_v3")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "deepseek_v3")
 """model.family: the architectures the model options describe."""
 DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
 """The dense families (model/hf.py builds random-init models of them)."""
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
-"""The mixture-of-experts families (model.num_experts > 0); model/hf.py builds random-init qwen3_moe models."""
-MEGATRON_FAMILIES = (*DENSE_FAMILIES, "qwen3_moe")
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
+"""The mixture-of-experts families (model.num_experts > 0); model/hf.py builds random-init models of each."""
+GROUPED_ROUTER_FAMILIES = ("glm4_moe", "deepseek_v3")
+"""MoE families with DeepSeek's router and layer layout: sigmoid scores plus a fixed correction bias choose the
+experts (group-limited: model.moe_groups, moe_group_top_k), the chosen scores renormalised and scaled by
+model.moe_routed_scaling, shared experts (model.moe_shared_experts) and dense first layers
+(model.first_dense_layers)."""
+MLA_FAMILIES = ("deepseek_v3",)
+"""Families with multi-latent attention (model.q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+v_head_dim)."""
+MEGATRON_FAMILIES = (*DENSE_FAMILIES, "qwen3_moe", "glm4_moe", "deepseek_v3")
 """The families train=megatron converts (train/megatron/model.FAMILIES)."""
 
 FUSED_GATE_UP = ("glm4",)
@@ -37,7 +45,8 @@ class ModelConfig:
     name: str = "tiny"
     """Short name used in run names and logs (the conf/model option name)."""
     family: str = choice("qwen2", FAMILIES)
-    """Architecture family: qwen2 | qwen3 | qwen3_moe | llama | glm4 | deepseek_v3 (selects the HF<->Megatron mapping)."""
+    """Architecture family: qwen2 | qwen3 | qwen3_moe | llama | glm4 | glm4_moe | deepseek_v3 (selects the
+    HF<->Megatron mapping)."""
     path: Optional[str] = None
     """HF checkpoint directory (config.json, tokenizer, safetensors); null builds the tiny model offline (tiny only)."""
     num_layers: int = positive(4)
@@ -49,7 +58,8 @@ class ModelConfig:
     num_kv_heads: int = positive(2)
     """Key/value heads per layer (GQA); equal to num_attention_heads for MHA."""
     head_dim: Optional[int] = positive(None)
-    """Per-head width; null means hidden_size / num_attention_heads."""
+    """Per-head width; null means hidden_size / num_attention_heads (multi-latent attention: null, its query/key heads
+    are qk_nope_head_dim + qk_rope_head_dim wide, its value heads v_head_dim)."""
     ffn_hidden_size: int = positive(384)
     """Dense MLP intermediate width (for MoE models: the dense layers' width)."""
     vocab_size: int = positive(128)
@@ -66,6 +76,31 @@ class ModelConfig:
     """Experts activated per token; 0 for dense models."""
     moe_ffn_hidden_size: Optional[int] = positive(None)
     """Intermediate width of one routed expert; null for dense models."""
+    moe_shared_experts: int = non_negative(0)
+    """Shared experts of every MoE layer (HF n_shared_experts), each moe_ffn_hidden_size wide: every token passes
+    through them besides its moe_top_k routed experts (GLM-4.5, DeepSeek-V3: 1)."""
+    first_dense_layers: int = non_negative(0)
+    """The first N layers keep a dense MLP of ffn_hidden_size, the rest are MoE (HF first_k_dense_replace)."""
+    moe_groups: int = positive(1)
+    """Expert groups of group-limited routing (HF n_group): a token picks its moe_top_k experts among the
+    moe_group_top_k groups whose two best scores sum highest; 1: no groups."""
+    moe_group_top_k: int = positive(1)
+    """Groups each token may route to (HF topk_group); at most moe_groups."""
+    moe_routed_scaling: float = positive(1.0)
+    """Factor on the routed experts' renormalised weights (HF routed_scaling_factor; DeepSeek-V3: 2.5)."""
+
+    q_lora_rank: Optional[int] = positive(None)
+    """Multi-latent attention: width of the compressed query latent (HF q_lora_rank); null: queries are projected
+    from the hidden state directly (and for other attention)."""
+    kv_lora_rank: Optional[int] = positive(None)
+    """Multi-latent attention: width of the compressed key/value latent (HF kv_lora_rank); null for other attention."""
+    qk_nope_head_dim: Optional[int] = positive(None)
+    """Multi-latent attention: a query/key head's channels without RoPE (HF qk_nope_head_dim)."""
+    qk_rope_head_dim: Optional[int] = positive(None)
+    """Multi-latent attention: a query/key head's channels with RoPE; the key's are one projection shared by every
+    head (HF qk_rope_head_dim)."""
+    v_head_dim: Optional[int] = positive(None)
+    """Multi-latent attention: a value head's width (HF v_head_dim)."""
 
     tokenizer: Optional[str] = choice(None, ("char", "bpe"))
     """A model built offline when path is null (model/warm_start.py): char (one token per character, model/tiny.py)
@@ -79,8 +114,18 @@ class ModelConfig:
 
     @property
     def kv_channels(self) -> int:
-        """Per-head width actually used (head_dim, or hidden_size / num_attention_heads)."""
-        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+        """Per-head query/key width actually used (head_dim; with multi-latent attention qk_nope_head_dim +
+        qk_rope_head_dim; else hidden_size / num_attention_heads)."""
+        if self.head_dim is not None:
+            return self.head_dim
+        if self.is_mla:
+            return (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-latent attention (MLA_FAMILIES)."""
+        return self.family in MLA_FAMILIES
 
     @property
     def is_moe(self) -> bool:
@@ -102,6 +147,7 @@ class ModelConfig:
             yield Problem((f"{prefix}vocab_size",), f"the character tokenizer has {CHAR_VOCAB} tokens, more than "
                           f"vocab_size={self.vocab_size}", f"set {prefix}vocab_size={CHAR_VOCAB} or more")
         yield from self._moe_problems(prefix)
+        yield from self._mla_problems(prefix)
         if self.num_kv_heads > 0 and self.num_attention_heads % self.num_kv_heads:
             yield Problem((f"{prefix}num_attention_heads", f"{prefix}num_kv_heads"),
                           f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -127,3 +173,68 @@ class ModelConfig:
             yield Problem((f"{prefix}moe_top_k", f"{prefix}num_experts"), f"moe_top_k={self.moe_top_k} experts per "
                           f"token, of only num_experts={self.num_experts}", f"set {prefix}moe_top_k <= "
                           f"{self.num_experts}")
+        yield from self._router_problems(prefix)
+
+    def _mla_problems(self, prefix: str) -> Iterator[Problem]:
+        """Multi-latent attention's widths are all set for an MLA family and none for the others."""
+        names = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if not self.is_mla:
+            set_ = [n for n in names if getattr(self, n) is not None]
+            if set_:
+                yield Problem(tuple(f"{prefix}{n}" for n in set_) + (f"{prefix}family",),
+                              f"family={self.family} has no multi-latent attention; {', '.join(set_)} describe none "
+                              "of its layers", f"remove them, or set {prefix}family to one of {', '.join(MLA_FAMILIES)}")
+            return
+        missing = [n for n in names[1:] if getattr(self, n) is None]
+        if missing:
+            yield Problem(tuple(f"{prefix}{n}" for n in missing), f"family={self.family} (multi-latent attention) "
+                          f"needs {', '.join(missing)}", "set them from the checkpoint's config.json")
+        if self.head_dim is not None:
+            yield Problem((f"{prefix}head_dim",), f"family={self.family} gives its head widths as qk_nope_head_dim, "
+                          f"qk_rope_head_dim and v_head_dim; head_dim={self.head_dim} would be a second answer",
+                          f"set {prefix}head_dim=null")
+        if self.qk_rope_head_dim is not None and self.qk_rope_head_dim % 2:
+            yield Problem((f"{prefix}qk_rope_head_dim",), f"qk_rope_head_dim={self.qk_rope_head_dim} rotates pairs "
+                          "of channels: it must be even", "check it against the checkpoint's config.json")
+        if self.num_kv_heads != self.num_attention_heads:
+            yield Problem((f"{prefix}num_kv_heads", f"{prefix}num_attention_heads"),
+                          f"multi-latent attention expands its keys and values to every head: num_kv_heads="
+                          f"{self.num_kv_heads} must equal num_attention_heads={self.num_attention_heads}",
+                          f"set {prefix}num_kv_heads={self.num_attention_heads}")
+
+    def _router_problems(self, prefix: str) -> Iterator[Problem]:
+        """DeepSeek's router and layer layout (GROUPED_ROUTER_FAMILIES): groups that split the experts evenly, enough
+        experts in the chosen groups, dense first layers that leave MoE layers; other families leave the fields at
+        their defaults."""
+        keys = {"moe_shared_experts": 0, "first_dense_layers": 0, "moe_groups": 1, "moe_group_top_k": 1,
+                "moe_routed_scaling": 1.0}
+        if self.family not in GROUPED_ROUTER_FAMILIES:
+            set_ = {k: getattr(self, k) for k, default in keys.items() if getattr(self, k) != default}
+            if set_:
+                yield Problem(tuple(f"{prefix}{k}" for k in set_) + (f"{prefix}family",),
+                              f"family={self.family} has no shared experts, dense first layers or grouped router; "
+                              f"{', '.join(f'{k}={v}' for k, v in set_.items())} describe no layer of it",
+                              f"remove them, or set {prefix}family to one of {', '.join(GROUPED_ROUTER_FAMILIES)}")
+            return
+        groups, chosen, experts = self.moe_groups, self.moe_group_top_k, self.num_experts
+        if self.first_dense_layers >= self.num_layers:
+            yield Problem((f"{prefix}first_dense_layers", f"{prefix}num_layers"),
+                          f"first_dense_layers={self.first_dense_layers} of num_layers={self.num_layers} leaves no "
+                          "MoE layer", "check the model option's numbers against its config.json "
+                          "(first_k_dense_replace)")
+        if not experts or groups < 1 or chosen < 1:  # (a value below 1 is its field's domain problem)
+            return
+        if experts % groups:
+            yield Problem((f"{prefix}moe_groups", f"{prefix}num_experts"), f"moe_groups={groups} does not split "
+                          f"num_experts={experts} evenly", "check n_group against the checkpoint's config.json")
+        elif groups > 1 and experts // groups < 2:
+            yield Problem((f"{prefix}moe_groups", f"{prefix}num_experts"), f"moe_groups={groups} leaves "
+                          f"{experts // groups} expert per group; a group is scored by its two best experts",
+                          f"choose moe_groups <= {experts // 2}")
+        elif chosen > groups:
+            yield Problem((f"{prefix}moe_group_top_k", f"{prefix}moe_groups"), f"moe_group_top_k={chosen} groups "
+                          f"per token, of only moe_groups={groups}", f"set {prefix}moe_group_top_k <= {groups}")
+        elif self.moe_top_k > chosen * (experts // groups):
+            yield Problem((f"{prefix}moe_top_k", f"{prefix}moe_group_top_k"), f"moe_top_k={self.moe_top_k} experts "
+                          f"per token, but the {chosen} chosen group(s) hold {chosen * (experts // groups)}",
+                          "check num_experts_per_tok and topk_group against the checkpoint's config.json")

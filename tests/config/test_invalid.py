@@ -7,6 +7,8 @@ from tests.config.helpers import problems
 
 BIG = ("model=qwen3_8b", "model.path=/ckpt/qwen3_8b")  # heads 32, kv 8, layers 36, context 40960
 GPU8 = ("cluster.gpus_per_node=8",)
+AIR = ("model=glm4_5_air", "model.path=/ckpt/glm4_5_air")  # 128 experts, 8 per token, 1 group
+DSV3 = ("model=deepseek_v3", "model.path=/ckpt/deepseek_v3")  # multi-latent attention, 128 heads
 
 # (overrides, a key the error must name, a fragment of its message or fix)
 INVALID = [
@@ -30,6 +32,27 @@ INVALID = [
     (("algo.routing_replay=true",), "algo.routing_replay", "model=tiny is dense"),
     (("model=qwen3_30b_a3b", "model.path=/ckpt/qwen3_30b_a3b", *GPU8, "rollout=sglang", "algo.routing_replay=true"),
      "rollout.backend", "drops return_routed_experts"),
+    # the grouped router (glm4_moe, deepseek_v3) and its megatron mapping
+    ((*AIR, "model.moe_groups=3"), "model.moe_groups", "does not split num_experts=128"),
+    ((*AIR, "model.moe_groups=128"), "model.moe_groups", "two best experts"),
+    ((*AIR, "model.moe_group_top_k=2"), "model.moe_group_top_k", "set model.moe_group_top_k <= 1"),
+    ((*AIR, "model.moe_groups=64", "model.moe_group_top_k=2"), "model.moe_top_k", "hold 4"),
+    ((*AIR, "model.first_dense_layers=46"), "model.first_dense_layers", "leaves no MoE layer"),
+    (("model=qwen3_30b_a3b", "model.path=/ckpt", "model.moe_shared_experts=1"), "model.moe_shared_experts",
+     "family=qwen3_moe has no shared experts"),
+    ((*AIR, "train=megatron", "model.moe_groups=8", "model.moe_group_top_k=2", "train.micro_batch_samples=1"),
+     "model.moe_groups", "scores a group by its best 4 experts"),
+    # multi-latent attention (deepseek_v3)
+    ((*DSV3, "model.head_dim=128"), "model.head_dim", "set model.head_dim=null"),
+    ((*DSV3, "model.v_head_dim=null"), "model.v_head_dim", "needs v_head_dim"),
+    ((*DSV3, "model.num_kv_heads=8"), "model.num_kv_heads", "set model.num_kv_heads=128"),
+    ((*AIR, "model.kv_lora_rank=512"), "model.kv_lora_rank", "family=glm4_moe has no multi-latent attention"),
+    ((*DSV3, *GPU8, "train=megatron", "train.num_gpus=8", "train.tp=8", "model.kv_lora_rank=510",
+      "train.micro_batch_samples=1"), "model.kv_lora_rank", "574 rows, not divisible by train.tp=8"),
+    ((*DSV3, "train.lora.rank=8", "train.lora.target_modules=[q_proj,o_proj]"), "train.lora.target_modules",
+     "no q/k/v_proj"),
+    ((*DSV3, "train=megatron", "train.lora.rank=8", "train.lora.target_modules=[o_proj]"), "train.lora.rank",
+     "LoRA on multi-latent attention is not built for train=megatron"),
     # parallelism
     ((*BIG, "train=megatron", "train.num_gpus=6", "train.tp=4"), "train.num_gpus", "multiple of 4"),
     ((*BIG, "train=megatron", "train.num_gpus=3", "train.tp=3", "train.micro_batch_samples=1"),
@@ -167,7 +190,6 @@ INVALID = [
     (("cluster=slurm", "cluster.sbatch_extra=['--x=1\n#SBATCH --y']"), "cluster.sbatch_extra", "spans lines"),
     (("model.name=../../etc", "model.path=/tmp"), "model.name", "not a plain name"),
     # what a backend would refuse at start-up
-    (("model=deepseek_v3", "model.path=/ckpt", "train=megatron"), "model.family", "multi-latent attention"),
     (("model=tiny_moe", "train=megatron", "train.ep=2", "train.num_gpus=4", "train.pp=2",
       "train.micro_batch_samples=1"), "train.ep", "tensor and data parallelism only"),
     (("model=tiny_moe", "train=megatron", "train.ep=4", "train.num_gpus=2", "train.micro_batch_samples=1"),

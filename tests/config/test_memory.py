@@ -182,3 +182,47 @@ def test_routed_experts_are_planned_per_ep_rank():
     _, whole = trainer(1)
     assert whole.parts["fp32 masters + grads"] == pytest.approx((rest + experts) / 2 * 8)
     assert whole.total > 80 * GiB > spread.total
+
+
+def test_shared_experts_and_dense_first_layers_are_counted():
+    """GLM-4.5-Air: 45 MoE layers of 128 routed experts, one shared expert and a router, and a first layer with a
+    dense MLP (10944 wide): 106.9B parameters (the model card's 106B; its multi-token-prediction layer is not
+    trained). On 16 H100s (train=megatron TP4 x EP4 x DP4) the busiest rank holds the dense layer's and the shared
+    experts' share over TP, the routed experts' over TP x EP."""
+    cfg = to_config(compose(["model=glm4_5_air", *H100, "train=megatron", "train.num_gpus=16", "train.tp=4",
+                             "train.ep=4"]))
+    m, counts = cfg.model, param_counts(cfg)
+    hidden, expert = m.hidden_size, 3 * m.hidden_size * m.moe_ffn_hidden_size
+    attention = hidden * 96 * 128 + 2 * hidden * 8 * 128 + 96 * 128 * hidden + (96 + 16) * 128
+    moe_layer = attention + 128 * expert + expert + 128 * hidden + 4 * hidden
+    dense_layer = attention + 3 * hidden * 10944 + 4 * hidden
+    total = 45 * moe_layer + dense_layer + 2 * 151552 * hidden + hidden
+    assert counts.total(m.num_layers) == total and 106e9 < total < 107.5e9
+    trainer = trainer_usage(cfg, derive(cfg))
+    experts = 45 * 128 * expert
+    assert trainer.parts["fp32 masters + grads"] == pytest.approx(((total - experts) / 4 + experts / 16) * 8)
+
+
+def test_deepseek_v3_recipe_plans_on_64_nodes_and_32_would_not_hold_it(tmp_path):
+    """DeepSeek-V3: 671.0B parameters (multi-latent attention's projections, 58 MoE layers of 256 experts + 1 shared,
+    3 dense ones). Its recipe (TP8 x EP64 x DP64 on 64 nodes of 8 x H100, colocated with SGLang) plans under 80 GiB
+    per GPU and a node's 1000 GiB of host RAM, through launch.py's dry run; the same at TP8 x EP32 on 32 nodes is
+    refused with the memory it would need."""
+    from tests.config.test_launch import launch
+
+    recipe = ("recipes=deepseek_v3_grpo_64x8xh100", "cluster=slurm_8xh100", f"model.path={tmp_path}")
+    cfg = to_config(compose(list(recipe)))
+    m, counts = cfg.model, param_counts(cfg)
+    hidden, heads, expert = m.hidden_size, m.num_attention_heads, 3 * m.hidden_size * m.moe_ffn_hidden_size
+    attention = (hidden * 1536 + 1536 + 1536 * heads * 192 + hidden * (512 + 64) + 512 + 512 * heads * (128 + 128)
+                 + heads * 128 * hidden)
+    moe_layer = attention + 256 * expert + expert + 256 * hidden + 4 * hidden
+    dense_layer = attention + 3 * hidden * 18432 + 4 * hidden
+    assert counts.total(m.num_layers) == 58 * moe_layer + 3 * dense_layer + 2 * 129280 * hidden + hidden
+    assert 670.5e9 < counts.total(m.num_layers) < 671.5e9
+    plan = plan_memory(cfg, derive(cfg))
+    assert plan.gpu_peak <= 80 * GiB and plan.host.total <= 1000 * GiB
+    planned = launch(*recipe, "dry_run=true", cwd=tmp_path)
+    assert planned.returncode == 0 and "dry run: config valid" in planned.stdout, planned.stderr
+    error = problems(*recipe, "train.num_gpus=256", "rollout.num_gpus=256", "train.ep=32")
+    assert any("does not fit a GPU of 80 GiB" in p.message for p in error.problems), error

@@ -1,6 +1,13 @@
-"""The embedded engine serving a mixture-of-experts model (model=tiny_moe's Qwen3-MoE layers, random init): its
-logprobs are transformers' (the dense gate), and weight updates land whether they name the fused expert tensors the
-model holds (tensor and broadcast syncs) or come as a checkpoint directory, whose files store one tensor per expert."""
+"""The embedded engine serving mixture-of-experts models: model=tiny_moe's Qwen3-MoE layers (random init), whose
+logprobs are transformers' (the dense gate), and whose weight updates land whether they name the fused expert tensors
+the model holds (tensor and broadcast syncs) or come as a checkpoint directory, whose files store one tensor per
+expert; and tiny GLM-4.5 and DeepSeek-V3 models (model/hf.py's random-init builder; the grouped sigmoid router with
+a random correction bias, shared experts, a dense first layer; DeepSeek-V3's multi-latent attention, whose keys and
+values differ in width), whose logprobs over concurrent requests (prefill of unequal prompts, batched decode) are
+transformers'."""
+
+import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,7 +15,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from slime_hydra.config import compose, to_config
-from slime_hydra.model.hf import build_random_checkpoint
+from slime_hydra.model.config import ModelConfig
+from slime_hydra.model.hf import build_random_checkpoint, hf_config
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines import start_embedded_engine
 from tests.rollout.helpers import load, logprobs, mean_abs_diff, reference_logprobs, tokens
@@ -92,3 +100,50 @@ def test_gpu_decode_graphs_route_each_step_anew(tmp_path):
     assert found["float32", True][0] < 1e-4
     graph_gap, graphs = found["bfloat16", False]
     assert graphs and graph_gap < 2 * found["bfloat16", True][0] + 1e-3
+
+
+TINY_GROUPED = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
+                           ffn_hidden_size=96, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=False,
+                           num_experts=8, moe_top_k=4, moe_ffn_hidden_size=32, moe_shared_experts=1,
+                           first_dense_layers=1, moe_groups=4, moe_group_top_k=2, moe_routed_scaling=2.5)
+"""The grouped router's shape: 8 experts in 4 groups, 2 groups and 4 experts per token, one shared expert, layer 0
+dense."""
+FAMILIES = {
+    "glm4_moe": replace(TINY_GROUPED, family="glm4_moe"),
+    # multi-latent attention: keys 16 + 8 wide (8 with RoPE), values 12: the slot cache holds both widths
+    "deepseek_v3": replace(TINY_GROUPED, family="deepseek_v3", num_kv_heads=4, head_dim=None, q_lora_rank=24,
+                           kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12),
+}
+PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5], [8, 9, 7, 9, 3]]
+
+
+def spread_checkpoint(model: ModelConfig, out_dir):
+    """model/hf.py's architecture with weights ~ N(0, 0.2), norms ~ U(0.8, 1.2) and the correction bias ~ N(0, 0.1),
+    so router scores are far from ties (transformers' 0.02 init leaves the expert choice near-random)."""
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(hf_config(model), dtype=torch.float32)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0.0, 0.2) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+        for name, b in net.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    net.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_grouped_router_families_logprobs_equal_transformers(family, tmp_path):
+    path = spread_checkpoint(FAMILIES[family], tmp_path / family)
+    engine = start_embedded_engine(str(path), log_path=tmp_path / "engine.log", max_batch_size=4)
+    try:
+        async with SGLangClient(engine.url, timeout_s=120) as client:
+            outs = await asyncio.gather(*(client.generate(p, {**PARAMS, "max_new_tokens": 16, "sampling_seed": i},
+                                                          return_logprob=True) for i, p in enumerate(PROMPTS)))
+    finally:
+        engine.stop()
+    reference = load(path)
+    with torch.no_grad():
+        gaps = [mean_abs_diff(logprobs(o), reference_logprobs(reference, p, tokens(o))[0]) for p, o in zip(PROMPTS, outs)]
+    print(family, "engine vs transformers, mean |logprob diff| per request:", gaps)
+    assert max(gaps) < 1e-5 and all(len(tokens(o)) == 16 for o in outs)

@@ -50,13 +50,14 @@ def test_queued_growing_and_compacted_rows_match_plain_forwards(model_dir):
 def test_compact_moves_the_last_rows_into_the_holes(model_dir):
     kv = SlotKV(load(model_dir).config, slots=6, dtype=torch.float32, device=torch.device("cpu"), max_capacity=4096)
     kv.reserve(10)
-    assert kv.capacity == MIN_CAPACITY and kv.kv.shape == (2, 2, 6, 2, MIN_CAPACITY, 16)
+    assert kv.capacity == MIN_CAPACITY and kv.k.shape == kv.v.shape == (2, 6, 2, MIN_CAPACITY, 16)
     for slot in range(6):
-        kv.kv[:, :, slot] = slot
+        kv.k[:, slot], kv.v[:, slot] = slot, -slot
         kv.pos[slot], kv.ids[slot] = 100 + slot, 200 + slot
     moves = kv.compact([0, 2, 4, 5])  # rows 1 and 3 finished; rows 4 and 5 move into slots 1 and 3
     assert moves == [(4, 1), (5, 3)]
-    assert [int(kv.kv[0, 0, s, 0, 0, 0]) for s in range(4)] == [0, 4, 2, 5]
+    assert [int(kv.k[0, s, 0, 0, 0]) for s in range(4)] == [0, 4, 2, 5]
+    assert [int(kv.v[1, s, 1, 5, 3]) for s in range(4)] == [0, -4, -2, -5]
     assert kv.pos[:4].tolist() == [100, 104, 102, 105] and kv.ids[:4].tolist() == [200, 204, 202, 205]
     with pytest.raises(ValueError, match="exceed the context length 4096"):
         kv.reserve(5000)

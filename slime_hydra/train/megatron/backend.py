@@ -60,7 +60,8 @@ With pp > 1 each stage holds its layers' adapters (``iter_adapter_weights`` send
 Refused with LoRA: dropout with tp > 1, sequence parallelism and the rest of
 train/config.megatron_lora_problems (config validation refuses them first). PPO's critic trains fully.
 
-Mixture of experts (Qwen3-MoE; moe.py): megatron's MoELayer in the sparse layers, experts TP-split like dense MLPs.
+Mixture of experts (Qwen3-MoE, GLM-4.5, DeepSeek-V3; moe.py): megatron's MoELayer in the sparse layers, experts
+TP-split like dense MLPs. DeepSeek-V3's multi-latent attention: mla.py (LoRA on it is refused).
 Expert parallelism (train.ep > 1) splits each layer's experts over ep data-parallel ranks (EP rank k holds experts
 [k E / ep, (k + 1) E / ep)); the dispatcher all-gathers the EP group's tokens, and EP peers run the same number of
 micro-batches (``_micro_batches`` adds empty ones to the ranks with fewer). Expert gradients are reduced over the

@@ -11,6 +11,11 @@ TP group and splits them back into HF tensors.
     qkv         per query group g: [q heads of g; k_g; v_g], concatenated   q, k, v (weights [X, H] or biases [X])
                 over groups, then rows r of t (megatron's interleaving)
     gate_up     [gate rows r of t; up rows r of t] (SwiGLU fc1)             gate, up; GLM-4: one fused [gate; up]
+    column      rows r of t (multi-latent attention's column-parallel       one [X, Y]
+                projections: q_a_proj, kv_b_proj)
+    latent_q    rows r of t (whole heads of q_b_proj, or q_proj)            one [heads (nope + rope), Y]
+    latent_kv   rows r of t (kv_a_proj_with_mqa: latent, then rope rows)    one [kv_lora + rope, H]
+                (latent_q / latent_kv: a rope_interleave=False checkpoint's rotary rows interleaved, ``_rope_rows``)
 
 With fewer query groups than TP ranks megatron still splits the interleaved QKV rows evenly (and all-gathers the
 projection), which the same rule covers. TransformerEngine's spec fuses the pre-attention and pre-MLP norms into
@@ -24,13 +29,30 @@ HF tensors over the PP group, so every rank sees every HF tensor.
 The PPO critic (head="value") has HF *ForTokenClassification names: the same trunk and ``score.{weight, bias}``
 (megatron ``output_layer.{weight, bias}``, replicated), no lm_head.
 
-MoE layers (Qwen3-MoE; HF checkpoint names, one tensor per expert as the safetensors files store them):
+MoE layers (HF checkpoint names, one tensor per expert as the safetensors files store them):
 
     megatron (decoder.layers.{i}.mlp.)               kind        HF (model.layers.{i}.mlp.)
     router.weight [E, H]                             replicated  gate.weight
+    router.expert_bias [E] (a buffer)                replicated  gate.e_score_correction_bias (grouped router)
     experts.local_experts.{e}.linear_fc1.weight      gate_up     experts.{e}.gate_proj.weight, .up_proj.weight
     experts.local_experts.{e}.linear_fc2.weight      row         experts.{e}.down_proj.weight
+    shared_experts.linear_fc1.weight                 gate_up     shared_experts.gate_proj.weight, .up_proj.weight
+    shared_experts.linear_fc2.weight                 row         shared_experts.down_proj.weight
     (TransformerEngine's grouped experts: experts.linear_fc1.weight{e}, experts.linear_fc2.weight{e})
+
+The router's expert bias is a buffer in both (transformers' e_score_correction_bias, megatron's expert_bias): it is
+loaded, exported and synced like a parameter but never trained (``stage_tensors``).
+
+Multi-latent attention (DeepSeek-V3; mla.py), in place of linear_qkv:
+
+    megatron (decoder.layers.{i}.self_attention.)    kind        HF (model.layers.{i}.self_attn.)
+    linear_q_down_proj.weight [q_lora, H]             column      q_a_proj.weight
+    q_layernorm.weight                                replicated  q_a_layernorm.weight
+    linear_q_up_proj.weight [h (nope + rope), q_lora] latent_q    q_b_proj.weight (q_proj.weight without q_lora_rank)
+    linear_kv_down_proj.weight [kv_lora + rope, H]    latent_kv   kv_a_proj_with_mqa.weight
+    kv_layernorm.weight                               replicated  kv_a_layernorm.weight
+    linear_kv_up_proj.weight [h (nope + v), kv_lora]  column      kv_b_proj.weight
+    linear_proj.weight                                row         o_proj.weight
 
 The table numbers experts globally, as it numbers layers; under expert parallelism EP rank k holds experts
 [k E / ep, (k + 1) E / ep) as its local experts 0 .. E / ep - 1 (megatron's split), ``stage_parameters`` renames
@@ -61,7 +83,7 @@ class Param:
     hf: tuple[str, ...]
     """HF state-dict names it is made of."""
     kind: str
-    """replicated | vocab | row | qkv | gate_up (see the module docstring)."""
+    """replicated | vocab | column | latent_q | latent_kv | row | qkv | gate_up (see the module docstring)."""
     expert: int | None = None
     """The global expert number of an MoE expert's parameter (its EP owner: expert // (E / ep))."""
 
@@ -78,7 +100,10 @@ def param_map(arch: Arch, te: bool = False, for_export: bool = False, head: str 
         qkv = tuple(f"{attn}{x}_proj.weight" for x in "qkv")
         out.append(Param(m + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"),
                          (h + "input_layernorm.weight",), "replicated"))
-        out.append(Param(m + "self_attention.linear_qkv.weight", qkv, "qkv"))
+        if arch.is_mla:
+            out.extend(_latent_params(arch, m + "self_attention.", attn))
+        else:
+            out.append(Param(m + "self_attention.linear_qkv.weight", qkv, "qkv"))
         if arch.qkv_bias:
             out.append(Param(m + "self_attention.linear_qkv.bias", tuple(n[:-6] + "bias" for n in qkv), "qkv"))
         if arch.qk_norm:
@@ -110,15 +135,55 @@ def param_map(arch: Arch, te: bool = False, for_export: bool = False, head: str 
     return out
 
 
+def _latent_params(arch: Arch, m: str, h: str) -> list[Param]:
+    """One multi-latent attention's rows but its output projection (mla.py), in transformers' order."""
+    out = []
+    if arch.q_lora_rank:
+        out.append(Param(m + "linear_q_down_proj.weight", (h + "q_a_proj.weight",), "column"))
+        out.append(Param(m + "q_layernorm.weight", (h + "q_a_layernorm.weight",), "replicated"))
+        out.append(Param(m + "linear_q_up_proj.weight", (h + "q_b_proj.weight",), "latent_q"))
+    else:
+        out.append(Param(m + "linear_q_proj.weight", (h + "q_proj.weight",), "latent_q"))
+    out.append(Param(m + "linear_kv_down_proj.weight", (h + "kv_a_proj_with_mqa.weight",), "latent_kv"))
+    out.append(Param(m + "kv_layernorm.weight", (h + "kv_a_layernorm.weight",), "replicated"))
+    out.append(Param(m + "linear_kv_up_proj.weight", (h + "kv_b_proj.weight",), "column"))
+    return out
+
+
+def _rope_rows(t: torch.Tensor, arch: Arch, per_head: bool, to_megatron: bool) -> torch.Tensor:
+    """The rotary rows of a latent_q (per head: the last qk_rope_head_dim of each head's rows) or latent_kv (the
+    last qk_rope_head_dim rows) weight in the other side's layout. megatron's MLA de-interleaves the rotary channels
+    (x0, x2, ..., x1, x3, ...) before rotating halves, which is transformers' rope_interleave=True; a
+    rope_interleave=False checkpoint rotates halves as stored, so its rows are interleaved for megatron (and
+    de-interleaved back)."""
+    if arch.rope_interleave:
+        return t
+    r = arch.qk_rope_head_dim
+    rows = t.reshape(arch.num_attention_heads, -1, *t.shape[1:]) if per_head else t.unsqueeze(0)
+    rope = rows[:, -r:]
+    if to_megatron:
+        rope = torch.stack((rope[:, :r // 2], rope[:, r // 2:]), dim=2).flatten(1, 2)
+    else:
+        rope = torch.cat((rope[:, 0::2], rope[:, 1::2]), dim=1)
+    return torch.cat((rows[:, :-r], rope), dim=1).reshape(t.shape)
+
+
 def _moe_params(arch: Arch, m: str, h: str, te: bool) -> list[Param]:
     """One MoE layer's rows: the router, then each expert's fc1 and fc2 (global expert numbers)."""
     out = [Param(m + "router.weight", (h + "gate.weight",), "replicated")]
+    if arch.moe_expert_bias:
+        out.append(Param(m + "router.expert_bias", (h + "gate.e_score_correction_bias",), "replicated"))
     for e in range(arch.num_experts):
         fc1, fc2 = ((f"experts.linear_fc1.weight{e}", f"experts.linear_fc2.weight{e}") if te else
                     (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.local_experts.{e}.linear_fc2.weight"))
         expert = f"{h}experts.{e}."
         out.append(Param(m + fc1, (expert + "gate_proj.weight", expert + "up_proj.weight"), "gate_up", e))
         out.append(Param(m + fc2, (expert + "down_proj.weight",), "row", e))
+    if arch.moe_shared_ffn_hidden_size:
+        shared = h + "shared_experts."
+        out.append(Param(m + "shared_experts.linear_fc1.weight", (shared + "gate_proj.weight",
+                                                                   shared + "up_proj.weight"), "gate_up"))
+        out.append(Param(m + "shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), "row"))
     return out
 
 
@@ -148,8 +213,10 @@ def shard(p: Param, hf: list[torch.Tensor], arch: Arch, rank: int, size: int) ->
     """This TP rank's megatron tensor made from the HF tensors of ``p``."""
     if p.kind == "replicated":
         return hf[0]
-    if p.kind == "vocab":
+    if p.kind in ("vocab", "column"):
         return hf[0].chunk(size, dim=0)[rank]
+    if p.kind in ("latent_q", "latent_kv"):
+        return _rope_rows(hf[0], arch, p.kind == "latent_q", to_megatron=True).chunk(size, dim=0)[rank]
     if p.kind == "row":
         return hf[0].chunk(size, dim=1)[rank]
     if p.kind == "qkv":
@@ -167,8 +234,10 @@ def unshard(p: Param, shards: list[torch.Tensor], arch: Arch) -> list[torch.Tens
     """The HF tensors of ``p`` from every TP rank's megatron tensor (rank order)."""
     if p.kind == "replicated":
         return [shards[0]]
-    if p.kind == "vocab":
+    if p.kind in ("vocab", "column"):
         return [torch.cat(shards, dim=0)]
+    if p.kind in ("latent_q", "latent_kv"):
+        return [_rope_rows(torch.cat(shards, dim=0), arch, p.kind == "latent_q", to_megatron=False)]
     if p.kind == "row":
         return [torch.cat(shards, dim=1)]
     if p.kind == "qkv":
@@ -220,6 +289,21 @@ def stage_parameters(model) -> dict[str, torch.nn.Parameter]:
     return out
 
 
+ROUTER_BUFFER = "mlp.router.expert_bias"
+"""The one megatron buffer with an HF counterpart (the grouped router's score correction)."""
+
+
+def stage_tensors(model) -> dict[str, torch.Tensor]:
+    """``stage_parameters`` plus the router buffers that hold checkpoint tensors (``ROUTER_BUFFER``), under the same
+    global names: what the conversion table covers."""
+    out = stage_parameters(model)
+    for name, buffer in model.named_buffers():
+        if name.startswith("decoder.layers.") and name.endswith(ROUTER_BUFFER):
+            local, rest = name[len("decoder.layers."):].split(".", 1)
+            out[f"decoder.layers.{model.decoder.layers[int(local)].layer_number - 1}.{rest}"] = buffer
+    return out
+
+
 def _global_expert(rest: str, mlp) -> str:
     """A layer-relative parameter name with its local expert number replaced by the global one."""
     indices = getattr(mlp, "local_expert_indices", None)
@@ -238,7 +322,7 @@ def _global_expert(rest: str, mlp) -> str:
 
 def stage_table(model, arch: Arch, head: str = "lm") -> list[Param]:
     """The rows of ``param_map`` this stage holds (plus the tied embedding's copy on the last stage)."""
-    params = stage_parameters(model)
+    params = stage_tensors(model)
     table = [p for p in param_map(arch, _uses_te(model), head=head) if p.megatron in params]
     if head == "lm" and arch.tie_word_embeddings and TIED_COPY.megatron in params:
         table.append(TIED_COPY)
@@ -256,7 +340,7 @@ def load_hf_weights(model, path: str | Path, arch: Arch, head: str = "lm") -> No
     from megatron.core import parallel_state
 
     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    params = stage_parameters(model)
+    params = stage_tensors(model)
     reader = _SafetensorsReader(path)
     for p in stage_table(model, arch, head):
         target = params[p.megatron]
@@ -280,7 +364,7 @@ def iter_hf_weights(model, arch: Arch, tp_group, pp_group=None, head: str = "lm"
     tensors over the PP group; an MoE expert is gathered on the EP rank holding it and broadcast over ``ep_group``
     (ep > 1; not combined with pp > 1). Collective over the groups: every rank of them must iterate to the end;
     every rank gets every tensor."""
-    params = stage_parameters(model)
+    params = stage_tensors(model)
     size = dist.get_world_size(tp_group)
     table = param_map(arch, _uses_te(model), for_export=True, head=head)
     stages = 1 if pp_group is None else dist.get_world_size(pp_group)

@@ -3,7 +3,8 @@ the global grad norm and clipping.
 
 Reduction: megatron's DistributedDataParallel needs CUDA and megatron's own training loop state; this backend
 reduces gradients itself, identically on CPU (gloo) and GPU (nccl): after the last micro-batch, the q/k-norm
-gradients (shared across heads, each TP rank sees only its heads) are summed over TP, a tied embedding's two copies
+gradients (shared across heads, each TP rank sees only its heads; not multi-latent attention's latent norms, whose
+gradients are whole on every rank) are summed over TP, a tied embedding's two copies
 (first stage's embedding, last stage's output layer, when pp > 1) are summed over megatron's embedding group, then
 every gradient is summed over CP and averaged over DP in flat buckets (one all-reduce over megatron's
 data-parallel-with-CP group, divided by dp). Under expert parallelism (ep > 1) an expert's gradient already covers
@@ -27,6 +28,17 @@ BUCKET_ELEMENTS = 64 * 1024 * 1024
 """Gradient elements per DP all-reduce (256 MiB of fp32)."""
 
 
+def _latent_norms(model: torch.nn.Module) -> set[int]:
+    """ids of multi-latent attention's latent-norm weights: they norm a latent every TP rank holds whole, and the
+    column-parallel projection after them all-reduces its input gradient, so their gradients are complete on every
+    rank (unlike q/k norms over this rank's heads)."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    return {id(p) for m in model.modules() if isinstance(m, MultiLatentAttention)
+            for norm in (getattr(m, "q_layernorm", None), m.kv_layernorm) if norm is not None
+            for p in norm.parameters()}
+
+
 class Gradients:
     """Reduction and clipping of one rank's parameter gradients (module docstring). ``params``: this stage's
     parameters by megatron name, of which only those with requires_grad count (train.lora freezes the base);
@@ -45,7 +57,8 @@ class Gradients:
         self._experts, self.ep_group, self.expert_dp_group = set(experts), ep_group, expert_dp_group
         self._tp_split, self._tied_copy = tp_split, tied_copy
         self._shared = shared if shared is not None and shared.requires_grad else None  # frozen under LoRA
-        self._tp_partial = [n for n in self.params if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
+        self._tp_partial = [n for n, p in self.params.items() if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))
+                            and id(p) not in _latent_norms(model)]
         self.tp_group, self.pp_group, self.dp_cp_group = tp_group, pp_group, dp_cp_group
         self.tp_size, self.pp_size = dist.get_world_size(tp_group), dist.get_world_size(pp_group)
         self.dp_size = dist.get_world_size(dp_group)

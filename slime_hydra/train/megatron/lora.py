@@ -121,6 +121,9 @@ class MegatronLora:
     def __init__(self, model, arch: Arch, lora: LoraConfig, tp_group, pp_group=None):
         """pp_group: the pipeline group when pp > 1 (each stage holds its layers' adapters; ``iter_full`` sends
         them to every stage)."""
+        if arch.is_mla:  # config/rules.check_lora refuses it first
+            raise ValueError("train.lora.rank > 0: LoRA on multi-latent attention (DeepSeek-V3) is not built for "
+                             "train=megatron; use train=fsdp with train.lora.target_modules=[o_proj]")
         self.arch, self.lora, self.tp_group, self.pp_group = arch, lora, tp_group, pp_group
         self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
         self.entries: list[tuple[str, str, Adapter, str]] = []

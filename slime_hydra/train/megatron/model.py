@@ -17,12 +17,34 @@ Families and what Megatron expresses them with:
            TransformerEngine on a GPU; no shared experts); layers listed in mlp_only_layers or off the
            decoder_sparse_step keep a dense MLP (intermediate_size). Tokens reach the experts through megatron's
            allgather dispatcher (moe.py).
+    glm4_moe  GLM-4.5 (GLM-4.5-Air): q/k/v bias, q/k norm when use_qk_norm, partial (half-split) RoPE; MoE layers
+           with DeepSeek's router (see grouped_router below) after first_k_dense_replace dense layers.
+    deepseek_v3  DeepSeek-V3: multi-latent attention through megatron-core's MLASelfAttention and
+           MLATransformerConfig (mla.py: q_lora_rank, or None for queries projected directly; kv_lora_rank;
+           qk_nope_head_dim -> qk_head_dim, qk_rope_head_dim -> qk_pos_emb_head_dim, v_head_dim; the softmax scale
+           1 / sqrt(qk_head_dim) times yarn's mscale(factor, mscale_all_dim)^2 through rotary_scaling_factor and
+           mscale_all_dim; RoPE from transformers' inverse frequencies and attention factor, so yarn is
+           transformers' own; rope_interleave=True is megatron's MLA layout, False is permuted by convert.py); the
+           grouped router's MoE layers after first_k_dense_replace dense ones.
+
+The grouped router (glm4_moe) is megatron's TopKRouter with moe_router_score_function="sigmoid": the expert choice
+ranks sigmoid(logit) + HF's e_score_correction_bias (megatron's expert_bias, enabled with
+moe_router_enable_expert_bias and frozen: moe_router_bias_update_rate=0, and this backend never calls megatron's
+bias update; transformers holds it as a buffer, so RL does not move it), group-limited top-k
+(moe_router_num_groups / moe_router_group_topk = n_group / topk_group; a group scores its top topk / topk_group
+experts in megatron, its top 2 in transformers, so the two agree when that quotient is 2 or every group is chosen),
+the chosen sigmoid scores renormalised (norm_topk_prob; megatron always renormalises k > 1 sigmoid scores) and
+multiplied by routed_scaling_factor (moe_router_topk_scaling_factor); router logits in fp32 as in transformers
+(moe_router_dtype); shared experts (megatron's SharedExpertMLP, moe_shared_expert_intermediate_size =
+n_shared_experts x moe_intermediate_size) added to the routed output; the first first_k_dense_replace layers keep a
+dense MLP of intermediate_size.
 """
 
 import dataclasses
 import importlib
 import importlib.util
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,8 +58,9 @@ class Family:
     rotary_class: str
     """transformers' RoPE module of the family (gives the inverse frequencies)."""
     qkv_bias: str
-    """'always' (Qwen2), 'config' (config.attention_bias; q/k/v only), or 'o_too' (attention_bias also puts a bias
-    on o_proj, which megatron cannot express without biasing the MLP too: refused)."""
+    """'always' (Qwen2), 'config' (config.attention_bias; q/k/v only), 'o_too' (attention_bias also puts a bias
+    on o_proj, which megatron cannot express without biasing the MLP too: refused), or 'never' (DeepSeek-V3: its
+    attention_bias would bias the latent and output projections: refused)."""
     qk_norm: bool = False
     """RMSNorm over head_dim on queries and keys before RoPE (Qwen3)."""
     sandwich_norm: bool = False
@@ -49,6 +72,12 @@ class Family:
     moe: bool = False
     """Sparse layers hold a router and experts (Qwen3-MoE's num_experts, num_experts_per_tok, moe_intermediate_size,
     norm_topk_prob, decoder_sparse_step, mlp_only_layers)."""
+    grouped_router: bool = False
+    """DeepSeek's MoE layout (module docstring): n_routed_experts, the sigmoid router with its correction bias,
+    n_group / topk_group, routed_scaling_factor, n_shared_experts, first_k_dense_replace."""
+    latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V3; mla.py): q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+    v_head_dim, rope_interleave."""
 
 
 FAMILIES = {
@@ -59,6 +88,10 @@ FAMILIES = {
                    sandwich_norm=True, fused_gate_up=True, rotary_interleaved=True),
     "qwen3_moe": Family("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeRotaryEmbedding",
                         qkv_bias="o_too", qk_norm=True, moe=True),
+    "glm4_moe": Family("transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeRotaryEmbedding", qkv_bias="config",
+                       moe=True, grouped_router=True),
+    "deepseek_v3": Family("transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding",
+                          qkv_bias="never", moe=True, grouped_router=True, latent_attention=True),
 }
 """HF config.model_type -> what its layers look like."""
 
@@ -100,6 +133,41 @@ class Arch:
     moe_aux_loss_coeff: float = 0.0
     """Megatron's switch load-balancing loss per MoE layer (``moe_aux_loss_coeff``); 0 (default) trains without it,
     as transformers does unless output_router_logits is set and labels are given (train=fsdp never passes labels)."""
+    moe_score: str = "softmax"
+    """The router's score function: softmax (Qwen3-MoE) or sigmoid (the grouped router)."""
+    moe_expert_bias: bool = False
+    """A fixed per-expert bias added to the scores that choose the experts (HF e_score_correction_bias)."""
+    moe_groups: int = 1
+    """Expert groups of group-limited routing (HF n_group; 1: none)."""
+    moe_group_top_k: int = 1
+    """Groups a token may route to (HF topk_group)."""
+    moe_scaling: float = 1.0
+    """Factor on the routed experts' weights (HF routed_scaling_factor)."""
+    moe_shared_ffn_hidden_size: int = 0
+    """The shared experts' total intermediate width (HF n_shared_experts x moe_intermediate_size; 0: none)."""
+    q_lora_rank: int = 0
+    """Multi-latent attention: the query latent's width (HF q_lora_rank; 0: queries projected directly)."""
+    kv_lora_rank: int = 0
+    """Multi-latent attention: the key/value latent's width (HF kv_lora_rank; 0: not multi-latent attention)."""
+    qk_nope_head_dim: int = 0
+    """Multi-latent attention: a query/key head's channels without RoPE."""
+    qk_rope_head_dim: int = 0
+    """Multi-latent attention: a query/key head's channels with RoPE (the key's shared by every head)."""
+    v_head_dim: int = 0
+    """Multi-latent attention: a value head's width."""
+    rope_interleave: bool = True
+    """Multi-latent attention: the checkpoint's rotary channels rotate in pairs (x0, x1), (x2, x3) ... (HF
+    rope_interleave: megatron's MLA layout); False: (x_i, x_{i + d/2}), permuted by convert.py."""
+    rope_scaling_factor: float = 1.0
+    """Multi-latent attention: the rope scaling factor of the softmax's yarn mscale (1: none)."""
+    mscale_all_dim: float = 0.0
+    """Multi-latent attention: yarn's mscale_all_dim of the softmax scale (0: none)."""
+    rope_attention_scaling: float = 1.0
+    """Multi-latent attention: transformers' attention factor on cos and sin (yarn's; 1 otherwise)."""
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -129,14 +197,20 @@ class Arch:
             problems.append("attention_bias=True (puts a bias on o_proj too; megatron would bias the MLP as well)")
         rotary_cls = _import(family.rotary_class)
         rotary = rotary_cls(config)
-        if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0 and not family.latent_attention:
             problems.append(f"rope with attention scaling {rotary.attention_scaling} (e.g. yarn)")
-        if family.moe and getattr(config, "shared_expert_intermediate_size", 0):
+        if family.latent_attention:
+            problems += _latent_problems(config)
+        if family.moe and not family.grouped_router and getattr(config, "shared_expert_intermediate_size", 0):
             problems.append("shared experts (Qwen3-MoE has none)")
+        if family.grouped_router:
+            problems += _grouped_router_problems(config)
         if problems:
             raise ValueError(f"{family_name} checkpoint not expressible by train=megatron: " + "; ".join(problems))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        moe = _moe_fields(config, moe_aux_loss_coeff) if family.moe else {}
+        moe = _moe_fields(config, moe_aux_loss_coeff, family.grouped_router) if family.moe else {}
+        latent = _latent_fields(config, rotary) if family.latent_attention else {}
+        head_dim = latent.pop("head_dim", head_dim)
         return cls(
             family=family_name, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
             num_attention_heads=config.num_attention_heads,
@@ -145,10 +219,11 @@ class Arch:
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(config.tie_word_embeddings), norm_eps=float(config.rms_norm_eps),
             qkv_bias=family.qkv_bias == "always" or (family.qkv_bias == "config" and attention_bias),
-            qk_norm=family.qk_norm, sandwich_norm=family.sandwich_norm, fused_gate_up=family.fused_gate_up,
+            qk_norm=family.qk_norm or bool(getattr(config, "use_qk_norm", False)), sandwich_norm=family.sandwich_norm,
+            fused_gate_up=family.fused_gate_up,
             rotary_interleaved=family.rotary_interleaved,
             attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
-            inv_freq=rotary.inv_freq.detach().float().cpu().clone(), **moe,
+            inv_freq=rotary.inv_freq.detach().float().cpu().clone(), **moe, **latent,
         )
 
     @classmethod
@@ -158,20 +233,68 @@ class Arch:
         return cls.from_hf(hf_config(model))
 
 
-def _moe_fields(config, aux_loss_coeff: float) -> dict[str, Any]:
-    """Arch's MoE fields from a Qwen3-MoE config. Layer i is sparse when it is not in mlp_only_layers and
-    (i + 1) % decoder_sparse_step == 0 (transformers' rule)."""
+def _moe_fields(config, aux_loss_coeff: float, grouped: bool) -> dict[str, Any]:
+    """Arch's MoE fields from a Qwen3-MoE config (layer i is sparse when it is not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0, transformers' rule) or a grouped-router one (layers from
+    first_k_dense_replace on are sparse)."""
+    if aux_loss_coeff < 0:
+        raise ValueError(f"moe_aux_loss_coeff={aux_loss_coeff} must be >= 0")
+    common = dict(moe_top_k=int(config.num_experts_per_tok), moe_ffn_hidden_size=int(config.moe_intermediate_size),
+                  moe_norm_topk=bool(getattr(config, "norm_topk_prob", False)),
+                  moe_aux_loss_coeff=float(aux_loss_coeff))
+    if grouped:
+        experts = int(config.n_routed_experts)
+        return dict(common, num_experts=experts, moe_score="sigmoid", moe_expert_bias=True,
+                    moe_layers=tuple(range(int(config.first_k_dense_replace or 0), config.num_hidden_layers)),
+                    moe_groups=int(config.n_group or 1), moe_group_top_k=int(config.topk_group or 1),
+                    moe_scaling=float(config.routed_scaling_factor),
+                    moe_shared_ffn_hidden_size=int(config.n_shared_experts or 0) * int(config.moe_intermediate_size))
     experts = int(config.num_experts)
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(config, "mlp_only_layers", None) or ())
     layers = tuple(i for i in range(config.num_hidden_layers)
                    if experts > 0 and i not in dense and (i + 1) % step == 0)
-    if aux_loss_coeff < 0:
-        raise ValueError(f"moe_aux_loss_coeff={aux_loss_coeff} must be >= 0")
-    return dict(num_experts=experts, moe_top_k=int(config.num_experts_per_tok),
-                moe_ffn_hidden_size=int(config.moe_intermediate_size),
-                moe_norm_topk=bool(getattr(config, "norm_topk_prob", False)), moe_layers=layers,
-                moe_aux_loss_coeff=float(aux_loss_coeff))
+    return dict(common, num_experts=experts, moe_layers=layers)
+
+
+def _latent_fields(config, rotary) -> dict[str, Any]:
+    """Arch's multi-latent attention fields from a DeepSeek-V3 config. The softmax scale's yarn mscale is transformers'
+    (yarn_apply_mscale: any rope_type but default with mscale_all_dim); head_dim is a query/key head's width."""
+    rope = dict(config.rope_parameters or {})
+    scaled = rope.get("rope_type", "default") != "default"
+    return dict(q_lora_rank=int(config.q_lora_rank or 0), kv_lora_rank=int(config.kv_lora_rank),
+                qk_nope_head_dim=int(config.qk_nope_head_dim), qk_rope_head_dim=int(config.qk_rope_head_dim),
+                v_head_dim=int(config.v_head_dim), rope_interleave=bool(getattr(config, "rope_interleave", True)),
+                rope_scaling_factor=float(rope.get("factor") or 1.0) if scaled else 1.0,
+                mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0) if scaled else 0.0,
+                rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+                head_dim=int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim))
+
+
+def _latent_problems(config) -> list[str]:
+    """What megatron's MLA layer cannot express of transformers' DeepseekV3Attention."""
+    out = []
+    if getattr(config, "attention_bias", False):
+        out.append("attention_bias=True (biases on q_a_proj, kv_a_proj_with_mqa and o_proj)")
+    if config.num_key_value_heads != config.num_attention_heads:
+        out.append(f"num_key_value_heads={config.num_key_value_heads} != num_attention_heads="
+                   f"{config.num_attention_heads} (multi-latent attention expands keys to every head)")
+    return out
+
+
+def _grouped_router_problems(config) -> list[str]:
+    """What megatron's TopKRouter cannot express of transformers' grouped sigmoid router (module docstring)."""
+    out = []
+    top_k, groups, chosen = int(config.num_experts_per_tok), int(config.n_group or 1), int(config.topk_group or 1)
+    if not getattr(config, "norm_topk_prob", False):
+        out.append("norm_topk_prob=False (megatron renormalises the chosen sigmoid scores)")
+    elif top_k == 1:
+        out.append("num_experts_per_tok=1 with norm_topk_prob (megatron keeps a single expert's raw sigmoid score)")
+    if chosen < groups and top_k // chosen != 2:
+        out.append(f"n_group={groups} with topk_group={chosen} and num_experts_per_tok={top_k}: megatron scores a "
+                   f"group by its best num_experts_per_tok // topk_group = {top_k // chosen} experts, transformers by "
+                   "its best 2")
+    return out
 
 
 def _import(dotted: str):
@@ -214,13 +337,16 @@ def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device
 
     MoE (arch.is_moe): softmax router scores; norm_topk_prob=True is megatron's moe_router_pre_softmax=False (top-k
     of the logits, softmax over those k: the renormalised probabilities), False is pre-softmax (softmax over all
-    experts, then top-k); the allgather token dispatcher (moe.py says why); grouped GEMM with TransformerEngine
-    only; the load-balancing loss only when arch.moe_aux_loss_coeff > 0."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    experts, then top-k); the grouped router's sigmoid options (module docstring); the allgather token dispatcher
+    (moe.py says why); grouped GEMM with TransformerEngine only; the load-balancing loss only when
+    arch.moe_aux_loss_coeff > 0."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+    use_te = use_te and not arch.is_mla  # build_model's spec: MLA runs the local spec (mla.py)
     kwargs = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
+        num_query_groups=arch.num_kv_heads, kv_channels=arch.v_head_dim if arch.is_mla else arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
         rotary_interleaved=arch.rotary_interleaved, hidden_dropout=0.0, attention_dropout=arch.attention_dropout,
@@ -239,13 +365,30 @@ def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device
             moe_router_load_balancing_type="aux_loss" if arch.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
         )
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    if arch.is_moe and arch.moe_score == "sigmoid":  # the grouped router (module docstring)
+        grouped = arch.moe_group_top_k < arch.moe_groups
+        kwargs.update(
+            moe_router_score_function="sigmoid", moe_router_pre_softmax=False, moe_router_dtype="fp32",
+            moe_router_enable_expert_bias=arch.moe_expert_bias, moe_router_bias_update_rate=0.0,
+            moe_router_num_groups=arch.moe_groups if grouped else None,
+            moe_router_group_topk=arch.moe_group_top_k if grouped else None,
+            moe_router_topk_scaling_factor=arch.moe_scaling,
+            moe_shared_expert_intermediate_size=arch.moe_shared_ffn_hidden_size or None,
+        )
+    if arch.is_mla:  # mla.py applies transformers' RoPE itself: rope_type "rope" keeps megatron's yarn module out
+        kwargs.update(
+            q_lora_rank=arch.q_lora_rank or None, kv_lora_rank=arch.kv_lora_rank, qk_head_dim=arch.qk_nope_head_dim,
+            qk_pos_emb_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim, rope_type="rope",
+            rotary_scaling_factor=arch.rope_scaling_factor, mscale_all_dim=arch.mscale_all_dim,
+        )
+    schema = MLATransformerConfig if arch.is_mla else TransformerConfig
+    fields = {f.name for f in dataclasses.fields(schema)}
     unknown = sorted(set(overrides or {}) - fields)
     if unknown:
-        raise ValueError(f"train.megatron options {unknown} are not megatron-core TransformerConfig fields; "
+        raise ValueError(f"train.megatron options {unknown} are not megatron-core {schema.__name__} fields; "
                          "the megatron backend passes only those through")
     kwargs.update(overrides or {})
-    return TransformerConfig(**kwargs)
+    return schema(**kwargs)
 
 
 def build_model(arch: Arch, config, use_te: bool = False, device: str | torch.device = "cpu", head: str = "lm"):
@@ -264,16 +407,23 @@ def build_model(arch: Arch, config, use_te: bool = False, device: str | torch.de
     from megatron.core.models.gpt import GPTModel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from slime_hydra.train.megatron.spec import HFRotaryEmbedding, ValueHead, block_spec
+    from slime_hydra.train.megatron.spec import HFRotaryEmbedding, ValueHead, block_spec, layer_spec
 
     tp = config.tensor_model_parallel_size
     if head == "lm" and arch.vocab_size % tp:
         raise ValueError(f"vocab_size={arch.vocab_size} is not divisible by train.tp={tp} (the vocabulary is split "
                          "evenly across TP ranks)")
+    use_te = use_te and not arch.is_mla
     groups = ProcessGroupCollection.use_mpu_process_groups()
     groups.embd = None
     post_process = parallel_state.is_pipeline_last_stage()
-    model = GPTModel(config=config, transformer_layer_spec=block_spec(arch, config, use_te),
+    layer = layer_spec
+    if arch.is_mla:  # each MLA layer applies RoPE itself (mla.py); GPTModel builds none
+        from slime_hydra.train.megatron.mla import LatentRotary, latent_layer_spec
+
+        layer = partial(latent_layer_spec, rotary=LatentRotary(arch.inv_freq.to(device), arch.rope_attention_scaling,
+                                                               cp_group=groups.cp))
+    model = GPTModel(config=config, transformer_layer_spec=block_spec(arch, config, use_te, layer),
                      vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
                      pre_process=parallel_state.is_pipeline_first_stage(), post_process=post_process,
                      parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings and head == "lm",
@@ -281,5 +431,7 @@ def build_model(arch: Arch, config, use_te: bool = False, device: str | torch.de
     if head == "value" and post_process:
         model.output_layer = ValueHead(arch.hidden_size)
     model.to(device)  # linears are allocated on the GPU already; torch's norms are built on the host
-    model.rotary_pos_emb = HFRotaryEmbedding(arch.inv_freq.to(device), arch.rotary_interleaved, cp_group=groups.cp)
+    if not arch.is_mla:
+        model.rotary_pos_emb = HFRotaryEmbedding(arch.inv_freq.to(device), arch.rotary_interleaved,
+                                                 cp_group=groups.cp)
     return model

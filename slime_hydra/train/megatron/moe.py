@@ -29,6 +29,8 @@ each token tp times); ``MoE.forward`` calls the same steps (route, dispatch, exp
 above, for which replicated tokens are exact.
 """
 
+import copy
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -161,16 +163,31 @@ class ReplayedChoice:
 
 
 class Router(TopKRouter):
-    """megatron's TopKRouter (softmax scores, top-k, its load-balancing loss) with its own gating: megatron's moves
-    a host weight to CUDA on every call, and its gating function (``router_gating_linear``) reads a
+    """megatron's TopKRouter (softmax or sigmoid scores, top-k, its load-balancing loss) with its own gating:
+    megatron's moves a host weight to CUDA on every call, and its gating function (``router_gating_linear``) reads a
     TransformerEngine GEMM that is undefined when TE is not installed (a NameError in 0.16.1). Same logits:
     input @ weight^T in the router dtype (``moe_router_dtype``, else the input's).
 
     The load-balancing and z losses count tokens over the ranks that hold different ones: megatron's TP x CP (x DP)
-    groups assume sequence parallelism; here TP ranks hold the same tokens, so the groups are CP (and DP x CP)."""
+    groups assume sequence parallelism; here TP ranks hold the same tokens, so the groups are CP (and DP x CP).
+
+    With ``moe_router_enable_expert_bias`` (the grouped router's score correction) megatron allocates ``expert_bias``
+    and its token counter with ``torch.cuda.current_device()``; here they are the same buffers made beside the
+    weight (``to(device)`` moves them with the model). The bias stays as loaded: megatron updates it only in its own
+    training loop's gradient finalisation, which this backend does not run (and its update rate is 0)."""
 
     def __init__(self, config, pg_collection=None):
+        expert_bias = config.moe_router_enable_expert_bias
+        if expert_bias:  # megatron's own copy idiom (SharedExpertMLP): the buffers are made below instead
+            config, original = copy.copy(config), config
+            config.moe_router_enable_expert_bias = False
         super().__init__(config=config, pg_collection=pg_collection)
+        if expert_bias:
+            self.config, self.enable_expert_bias = original, True
+            experts = original.num_moe_experts
+            del self.local_tokens_per_expert, self.expert_bias  # megatron's None placeholders
+            self.register_buffer("local_tokens_per_expert", torch.zeros(experts), persistent=False)
+            self.register_buffer("expert_bias", torch.zeros(experts))
         self.tp_cp_group = pg_collection.cp
         self.tp_dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.router_replay = ReplayedChoice()
@@ -230,7 +247,8 @@ class GroupedExperts(SequentialMLP):
 
 class MoE(MoELayer):
     """megatron's MoELayer on TP-replicated [s, b, H] hidden states, with ``TokenGather`` as its dispatcher and the
-    token count padded to be equal over the EP group (module docstring). Returns (output [s, b, H], None)."""
+    token count padded to be equal over the EP group (module docstring); megatron's shared experts (when configured)
+    run on the unpadded tokens and add to the routed output, as in MoELayer. Returns (output [s, b, H], None)."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
         if pg_collection is None:  # megatron's layers build the MoE layer without one: the global groups
@@ -252,6 +270,7 @@ class MoE(MoELayer):
         s, b, h = hidden_states.shape
         n = s * b
         tokens = hidden_states.reshape(n, 1, h)
+        shared = self.shared_experts_compute(tokens)  # None without shared experts
         padded = self._common_token_count(n, hidden_states.device)
         if padded > n:
             tokens = torch.nn.functional.pad(tokens, (0, 0, 0, 0, 0, padded - n))
@@ -259,5 +278,7 @@ class MoE(MoELayer):
         tokens, probs = self.preprocess(tokens, probs, routing_map)
         tokens, probs = self.dispatch(tokens, probs)
         out, bias = self.routed_experts_compute(tokens, probs)
-        out = self.postprocess(self.combine(out), None)
-        return out[:n].reshape(s, b, h), bias
+        out = self.postprocess(self.combine(out), None)[:n]
+        if shared is not None:
+            out = out + shared
+        return out.reshape(s, b, h), bias

@@ -10,10 +10,13 @@ Which spec:
   and MLP down projections) passing its TP group, so torch.compile takes a whole layer as one graph. With cp > 1
   attention gathers K/V over the CP group (context_parallel.py: megatron's local attention asserts cp=1, its CP
   lives in TransformerEngine's).
-- MoE layers (Qwen3-MoE's sparse layers, ``Arch.moe_layers``): the same attention, and megatron's own MoE layer
-  spec (``get_gpt_layer_local_spec(num_experts=...)``: SequentialMLP's experts computed by moe.GroupedExperts; with
+- MoE layers (the sparse layers, ``Arch.moe_layers``): the same attention, and megatron's own MoE layer spec
+  (``get_gpt_layer_local_spec(num_experts=...)``: SequentialMLP's experts computed by moe.GroupedExperts; with
   TransformerEngine its spec with grouped GEMM experts) with ``moe.MoE`` and ``moe.Router`` in place of MoELayer and
-  TopKRouter and no shared experts; the other layers keep the dense MLP.
+  TopKRouter; megatron's SharedExpertMLP when the architecture has shared experts (GLM-4.5), none otherwise
+  (Qwen3-MoE); the other layers keep the dense MLP.
+- Multi-latent attention (DeepSeek-V3): megatron's MLA layer spec with this backend's pieces (mla.py), the same
+  SDPACoreAttention (values narrower than keys) and row-parallel output projection; always the local spec.
 - GLM-4 adds norms on the attention and MLP outputs before each residual add. The layer applies
   ``bda(training, fused)(sublayer_out_with_bias, residual, dropout_p)`` exactly there, so a bias-dropout-add
   module that norms first (``PostNormBiasDropoutAdd``) expresses them in the spec, for the local and TE specs
@@ -121,13 +124,16 @@ class SelfAttention(MegatronSelfAttention):
 class SDPACoreAttention(MegatronModule):
     """Causal (or masked) attention on torch's scaled_dot_product_attention; GQA via enable_gqa (no K/V repeat).
 
-    Takes megatron's layout: query [s, b, heads, d], key/value [s, b, groups, d] (this TP rank's heads), and an
-    optional boolean mask broadcastable to [b, 1, s, s] with True = masked out. Returns [s, b, heads * d].
+    Takes megatron's layout: query [s, b, heads, d], key [s, b, groups, d], value [s, b, groups, d_v] (this TP
+    rank's heads; d_v != d for multi-latent attention, whose layer passes k_channels / v_channels and its softmax
+    scale), and an optional boolean mask broadcastable to [b, 1, s, s] with True = masked out. Returns
+    [s, b, heads * d_v].
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None):
         super().__init__(config=config)
         self.cp_group = None
         if config.context_parallel_size > 1:
@@ -137,7 +143,7 @@ class SDPACoreAttention(MegatronModule):
                 raise ValueError(f"context parallelism needs causal attention, not {attn_mask_type}")
         self.attn_mask_type = attn_mask_type
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.scale = softmax_scale if softmax_scale is not None else (k_channels or config.kv_channels) ** -0.5
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -254,8 +260,7 @@ class PostNormBiasDropoutAdd(torch.nn.Module):
 
 def layer_spec(arch, config, use_te: bool, moe: bool = False) -> ModuleSpec:
     """One decoder layer's spec for this architecture (see the module docstring for the choice); ``moe``: its MLP
-    is megatron's MoE layer (moe.MoE: its router and experts, this backend's token movement), experts as
-    moe.GroupedExperts (SequentialMLP's parameters, grouped matmuls), or TEGroupedMLP with TransformerEngine."""
+    is megatron's MoE layer (``mlp_spec``). Multi-latent attention's layers are mla.latent_layer_spec's."""
     experts = dict(num_experts=arch.num_experts, moe_grouped_gemm=use_te) if moe else {}
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -266,17 +271,27 @@ def layer_spec(arch, config, use_te: bool, moe: bool = False) -> ModuleSpec:
         spec.submodules.self_attention.module = SelfAttention
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         spec.submodules.self_attention.submodules.linear_proj = RowParallelLinear
-        if not moe:
-            spec.submodules.mlp.submodules.linear_fc2 = RowParallelLinear
-    # (both functions build a fresh spec on every call: editing it in place is safe)
+    return mlp_spec(spec, arch, config, use_te, moe)
+
+
+def mlp_spec(spec: ModuleSpec, arch, config, use_te: bool, moe: bool) -> ModuleSpec:
+    """A layer spec from megatron's builders (which make a fresh one on every call: edited in place) with this
+    backend's MLP: dense of ffn_hidden_size, or megatron's MoE layer (moe.MoE: its router and experts, this
+    backend's token movement; experts as moe.GroupedExperts (SequentialMLP's parameters, grouped matmuls), or
+    TEGroupedMLP with TransformerEngine; shared experts when the architecture has them); and GLM-4's post norms."""
     if moe:
         spec.submodules.mlp.module = MoE
         spec.submodules.mlp.submodules.router = Router
         if not use_te:  # TEGroupedMLP's grouped GEMM, or ours
             spec.submodules.mlp.submodules.experts.module = GroupedExperts
-        spec.submodules.mlp.submodules.shared_experts = None  # Qwen3-MoE has none
+        if not arch.moe_shared_ffn_hidden_size:
+            spec.submodules.mlp.submodules.shared_experts = None
+        elif not use_te:
+            spec.submodules.mlp.submodules.shared_experts.submodules.linear_fc2 = RowParallelLinear
     else:
         spec.submodules.mlp.params = {**spec.submodules.mlp.params, "ffn_hidden_size": config.ffn_hidden_size}
+        if not use_te:
+            spec.submodules.mlp.submodules.linear_fc2 = RowParallelLinear
     if arch.sandwich_norm:
         post_norm = ModuleSpec(module=PostNormBiasDropoutAdd,
                                params={"hidden_size": config.hidden_size, "eps": config.layernorm_epsilon})
@@ -285,10 +300,11 @@ def layer_spec(arch, config, use_te: bool, moe: bool = False) -> ModuleSpec:
     return spec
 
 
-def block_spec(arch, config, use_te: bool) -> TransformerBlockSubmodules:
+def block_spec(arch, config, use_te: bool, layer=layer_spec) -> TransformerBlockSubmodules:
     """This pipeline stage's decoder layers (megatron's split of ``num_layers`` over the PP ranks; each layer's
     MLP dense or MoE by its global number, arch.moe_layers) plus the final norm (explicit, so it is torch's RMSNorm
-    or TENorm, never apex's)."""
+    or TENorm, never apex's). ``layer(arch, config, use_te, moe)``: one layer's spec (layer_spec, or
+    mla.latent_layer_spec)."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -297,7 +313,7 @@ def block_spec(arch, config, use_te: bool) -> TransformerBlockSubmodules:
     else:
         final_norm = WrappedTorchNorm
     offset = get_transformer_layer_offset(config)
-    layers = [layer_spec(arch, config, use_te, moe=offset + i in arch.moe_layers)
+    layers = [layer(arch, config, use_te, moe=offset + i in arch.moe_layers)
               for i in range(get_num_layers_to_build(config))]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
 

@@ -2,7 +2,10 @@
 
 Layout
 ------
-``SlotKV.kv`` is one tensor ``[layers, 2 (K, V), slots, kv_heads, capacity, head_dim]``. Running request b owns slot
+``SlotKV.k`` and ``SlotKV.v`` are ``[layers, slots, kv_heads, capacity, d]`` tensors, d the key width and the value
+width (equal but for multi-latent attention, whose keys are qk_nope_head_dim + qk_rope_head_dim wide and values
+v_head_dim: transformers' DeepseekV3Attention hands the attention function keys and values expanded to every head,
+which is what is cached; the compressed latent is not). Running request b owns slot
 b (slots 0..n-1 are the running batch, in order); its token at position p lives in column p, so nothing is padded
 and nothing moves while it decodes. ``pos[b]`` is the number of its tokens already in the cache, which is also the
 position id of its next input ``ids[b]`` (the last sampled token, not yet in the cache).
@@ -19,7 +22,7 @@ position id of its next input ``ids[b]`` (the last sampled token, not yet in the
 - **Capacity** grows on demand to the next power of two (at least 128, at most the context length); growing copies
   the cache once and drops the CUDA graphs, which hold its address.
 
-Memory is ``slots x capacity x layers x 2 x kv_heads x head_dim x dtype bytes`` (Qwen2.5-0.5B in bf16: 12 KiB a
+Memory is ``slots x capacity x layers x kv_heads x (d_k + d_v) x dtype bytes`` (Qwen2.5-0.5B in bf16: 12 KiB a
 token, so 256 slots x 512 tokens = 1.5 GiB). It is made for the small models the embedded engine serves; large
 models belong on SGLang's paged cache (``rollout=sglang``).
 
@@ -46,9 +49,9 @@ MIN_CAPACITY = 128
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, scaling=None,
                    dropout: float = 0.0, slot_kv: Optional["SlotKV"] = None, **kwargs):
-    """transformers attention function: query ``[b, heads, q, d]``, key/value ``[b, kv_heads, q, d]`` (after rotary);
-    returns ``([b, q, heads, d], None)``. Without ``slot_kv`` (a plain forward, e.g. ``/health_generate`` tests of
-    the model itself) it is causal attention over the given tokens."""
+    """transformers attention function: query ``[b, heads, q, d]``, key ``[b, kv_heads, q, d]``, value
+    ``[b, kv_heads, q, d_v]`` (after rotary); returns ``([b, q, heads, d_v], None)``. Without ``slot_kv`` (a plain
+    forward, e.g. ``/health_generate`` tests of the model itself) it is causal attention over the given tokens."""
     for name in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"the embedded engine's slot attention does not implement {name}; serve this "
@@ -63,7 +66,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     n, heads, _, d = query.shape
     grouped = query.reshape(n, keys.shape[1], heads // keys.shape[1], d)  # query heads of one KV group together
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=slot_kv.mask, scale=scaling)
-    return out.reshape(n, 1, heads, d), None
+    return out.reshape(n, 1, heads, values.shape[-1]), None
 
 
 def register_attention() -> str:
@@ -80,9 +83,15 @@ class SlotKV:
         text = config.get_text_config()
         self.layers = int(text.num_hidden_layers)
         self.kv_heads = int(text.num_key_value_heads)
-        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        latent = getattr(text, "kv_lora_rank", None) is not None  # multi-latent attention (module docstring)
+        self.key_dim = int(text.qk_nope_head_dim + text.qk_rope_head_dim) if latent else head_dim
+        self.value_dim = int(text.v_head_dim) if latent else head_dim
         self.slots, self.dtype, self.device, self.max_capacity = slots, dtype, device, max_capacity
-        self.kv: Optional[torch.Tensor] = None
+        self.k: Optional[torch.Tensor] = None
+        """[layers, slots, kv_heads, capacity, key_dim]."""
+        self.v: Optional[torch.Tensor] = None
+        """[layers, slots, kv_heads, capacity, value_dim]."""
         self.ids = torch.zeros(slots, dtype=torch.long, device=device)
         self.pos = torch.zeros(slots, dtype=torch.long, device=device)
         self._rows = torch.arange(slots, device=device)
@@ -97,11 +106,11 @@ class SlotKV:
 
     @property
     def capacity(self) -> int:
-        return 0 if self.kv is None else self.kv.shape[4]
+        return 0 if self.k is None else self.k.shape[3]
 
     @property
     def token_bytes(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        return self.layers * self.kv_heads * (self.key_dim + self.value_dim) * torch.finfo(self.dtype).bits // 8
 
     def reserve(self, length: int) -> None:
         """Make room for ``length`` tokens in every slot (grows to a power of two, keeps what is cached)."""
@@ -110,17 +119,18 @@ class SlotKV:
         if length > self.max_capacity:
             raise ValueError(f"{length} tokens exceed the context length {self.max_capacity}")
         capacity = min(max(MIN_CAPACITY, 1 << (length - 1).bit_length()), self.max_capacity)
-        grown = torch.zeros(self.layers, 2, self.slots, self.kv_heads, capacity, self.head_dim, dtype=self.dtype,
-                            device=self.device)
-        if self.kv is not None:
-            grown[..., :self.capacity, :] = self.kv
-        self.kv = grown
+        grown = [torch.zeros(self.layers, self.slots, self.kv_heads, capacity, d, dtype=self.dtype, device=self.device)
+                 for d in (self.key_dim, self.value_dim)]
+        if self.k is not None:
+            grown[0][..., :self.capacity, :] = self.k
+            grown[1][..., :self.capacity, :] = self.v
+        self.k, self.v = grown
         self._columns = torch.arange(capacity, device=self.device)
         self.on_move()
 
     def free(self) -> None:
-        if self.kv is not None:
-            self.kv = None
+        if self.k is not None:
+            self.k = self.v = None
             self._columns = None
             self.on_move()
 
@@ -134,13 +144,13 @@ class SlotKV:
 
     def write_prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         m, _, length, _ = key.shape
-        self.kv[layer, 0, self.start:self.start + m, :, :length] = key
-        self.kv[layer, 1, self.start:self.start + m, :, :length] = value
+        self.k[layer, self.start:self.start + m, :, :length] = key
+        self.v[layer, self.start:self.start + m, :, :length] = value
 
     def write_decode(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = key.shape[0]
         rows, pos = self._rows[:n], self.pos[:n]
-        k_layer, v_layer = self.kv[layer, 0], self.kv[layer, 1]
+        k_layer, v_layer = self.k[layer], self.v[layer]
         k_layer[rows, :, pos] = key[:, :, 0]
         v_layer[rows, :, pos] = value[:, :, 0]
         return k_layer[:n], v_layer[:n]
@@ -155,8 +165,9 @@ class SlotKV:
         if moves:
             src = torch.tensor(movers, device=self.device)
             dst = torch.tensor(holes, device=self.device)
-            if self.kv is not None:
-                self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
+            if self.k is not None:
+                for cache in (self.k, self.v):
+                    cache.index_copy_(1, dst, cache.index_select(1, src))
             self.ids.index_copy_(0, dst, self.ids.index_select(0, src))
             self.pos.index_copy_(0, dst, self.pos.index_select(0, src))
         return moves
