@@ -1,11 +1,12 @@
 """Routing replay in the trainer (algo.routing_replay): a batch's ``routed_experts`` decide every MoE layer's experts.
 
-On a tiny Qwen3-MoE (3 layers, the middle one dense; 4 experts, top-2; fp32 on CPU):
+On a tiny Qwen3-MoE (3 layers, the middle one dense; 4 experts, top-2; fp32 on CPU), and for the sigmoid router's
+weights a tiny GLM-4.5 (grouped router, routed scaling, a shared expert; tests/train/test_megatron_moe_families.py):
 - replaying the model's own routing changes nothing (bit for bit on both backends);
 - an arbitrary routing (random experts per token and layer, some positions left to the router) moves the logprobs,
   and train=fsdp (transformers' routers, train/routing_replay.py) and train=megatron (megatron's top-k with
-  moe.ReplayedChoice) agree on its logprobs and on three training steps (loss, grad norm), and megatron at EP2 and
-  CP2 equals its TP1;
+  moe.ReplayedChoice) agree on its logprobs and on three training steps (loss, grad norm), on GLM-4.5 on its
+  logprobs, and megatron at EP2 and CP2 equals its TP1;
 - end to end with the engine: on a model whose router logits lie close together, an engine whose router weights
   differ from the trainer's by 1e-3 routes some tokens elsewhere; it reports its experts, and replaying them brings
   the trainer's logprobs from the flipped tokens' gap down to the tiny difference the router weights still make.
@@ -28,20 +29,22 @@ from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.routing_replay import moe_routers
 from tests.rollout.test_routed_experts import LAYERS, TOP_K, moe_checkpoint
 from tests.train.harness import pg_loss, run_ranks, toy_batch
+from tests.train.test_megatron_moe_families import family_checkpoint
 
 CFG = dict(lr=1e-2, dtype="fp32", clip_grad=1.0, micro_batch_samples=4)
 SPARSE = (0, 2)
 """The MoE layers (layer 1 is dense)."""
 
 
-def forced_routing(batch, seed: int = 0) -> torch.Tensor:
-    """[B, L, LAYERS, TOP_K]: two distinct random experts of four per position and MoE layer; -1 on the dense layer
-    and on row 0's last three positions (those the router chooses itself)."""
+def forced_routing(batch, seed: int = 0, layers: int = LAYERS, top_k: int = TOP_K, num_experts: int = 4,
+                   sparse=SPARSE) -> torch.Tensor:
+    """[B, L, layers, top_k]: top_k distinct random experts of num_experts per position and MoE layer; -1 on the
+    dense layers and on row 0's last three positions (those the router chooses itself)."""
     g = torch.Generator().manual_seed(seed)
     b, length = batch.input_ids.shape
-    experts = torch.full((b, length, LAYERS, TOP_K), routed_experts.NO_EXPERT, dtype=torch.int16)
-    for layer in SPARSE:
-        experts[:, :, layer] = torch.rand(b, length, 4, generator=g).argsort(-1)[..., :TOP_K].to(torch.int16)
+    experts = torch.full((b, length, layers, top_k), routed_experts.NO_EXPERT, dtype=torch.int16)
+    for layer in sparse:
+        experts[:, :, layer] = torch.rand(b, length, num_experts, generator=g).argsort(-1)[..., :top_k].to(torch.int16)
     n = int(batch.attention_mask[0].sum())
     experts[0, n - 3:n] = routed_experts.NO_EXPERT
     return experts
@@ -71,7 +74,7 @@ def _steps(backend, batch, n=3):
     return [(float(m["pg_loss"]), m["grad_norm"]) for m in (backend.train_step(batch, pg_loss) for _ in range(n))]
 
 
-def _one_rank(rank, world, path, engine_batch, near_ties):
+def _one_rank(rank, world, path, engine_batch, near_ties, glm):
     from slime_hydra.train.fsdp import FSDPBackend
     from slime_hydra.train.megatron.backend import MegatronBackend
 
@@ -82,6 +85,10 @@ def _one_rank(rank, world, path, engine_batch, near_ties):
         backend = cls(path, TrainConfig(**CFG), total_steps=3)
         out[name] = {"plain": backend.logprobs(batch)[0], "own": backend.logprobs(own)[0],
                      "forced": backend.logprobs(forced)[0], "steps": _steps(backend, forced)}
+    glm_forced = with_routing(toy_batch(), forced_routing(batch, layers=3, top_k=4, num_experts=8, sparse=(1, 2)))
+    for name, cls in (("fsdp", FSDPBackend), ("megatron", MegatronBackend)):  # layer 0 dense; 8 experts, top-4
+        backend = cls(glm, TrainConfig(**CFG), total_steps=1)
+        out[name]["glm"] = {"plain": backend.logprobs(batch)[0], "forced": backend.logprobs(glm_forced)[0]}
     fsdp = FSDPBackend(near_ties, TrainConfig(**CFG), total_steps=1)
     out["engine"] = {"plain": fsdp.logprobs(with_routing(engine_batch, None))[0],
                      "replayed": fsdp.logprobs(with_routing(engine_batch, engine_batch.extras.pop("experts")))[0]}
@@ -157,7 +164,7 @@ def engine_batch(near_ties, tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_rank(path, engine_batch, near_ties):
     rollout = engine_batch.extras["rollout"].clone()
-    out = run_ranks(1, _one_rank, path, engine_batch, near_ties)[0]
+    out = run_ranks(1, _one_rank, path, engine_batch, near_ties, family_checkpoint("glm4_moe"))[0]
     return out, rollout, engine_batch.loss_mask
 
 
@@ -179,6 +186,9 @@ def test_fsdp_and_megatron_replay_an_arbitrary_routing_alike(one_rank):
     for (loss_m, norm_m), (loss_f, norm_f) in zip(out["megatron"]["steps"], out["fsdp"]["steps"]):
         assert abs(loss_m - loss_f) <= 1e-5 * abs(loss_f) and abs(norm_m - norm_f) <= 1e-5 * norm_f
     assert out["fsdp"]["steps"][-1][0] < out["fsdp"]["steps"][0][0]  # it trains under the replayed routing
+    glm = out["fsdp"]["glm"], out["megatron"]["glm"]  # sigmoid scores, renormalised and scaled; a shared expert
+    assert (glm[0]["forced"] - glm[0]["plain"]).abs().max() > 0.05
+    torch.testing.assert_close(glm[1]["forced"], glm[0]["forced"], atol=1e-5, rtol=0)
 
 
 def test_megatron_ep2_and_cp2_replay_as_tp1(one_rank, two_ranks):
