@@ -1,56 +1,31 @@
 #!/usr/bin/env python
-"""Regenerate the pinned option snapshots that ``slime_hydra.config.passthrough and slime_hydra.rollout.engines.sglang`` checks against.
+"""Regenerate the pinned snapshot of SGLang's server options that ``slime_hydra.rollout.engines.sglang`` (and through
+it ``slime_hydra.config.passthrough``) checks ``rollout.sglang`` against.
 
-Two files under ``slime_hydra/snapshots/``:
+``slime_hydra/snapshots/sglang_server_args.json`` -- every field of ``sglang.srt.server_args.ServerArgs`` (SGLang
+0.5.23). Read from the SGLang wheel, never installed and never imported (it pins its own torch):
 
-``sglang_server_args.json`` -- every field of ``sglang.srt.server_args.ServerArgs`` (SGLang 0.5.23).
-    Read from the SGLang wheel, never installed and never imported (it pins its own torch):
+    python -m pip download sglang==0.5.23 --no-deps --only-binary :all: --python-version 3.11 \
+        --implementation cp --platform manylinux_2_34_x86_64 -d /tmp/sgl     # done by this script
 
-        python -m pip download sglang==0.5.23 --no-deps --only-binary :all: --python-version 3.11 \
-            --implementation cp --platform manylinux_2_34_x86_64 -d /tmp/sgl     # done by this script
+In 0.5.23 ``ServerArgs`` is built with ``msgspec.defstruct`` from the namespace Structs listed in
+``_INPUT_NAMESPACES`` of ``sglang/srt/server_args.py``; each lives in ``sglang/srt/arg_groups/fields/*.py`` and
+declares fields as ``name: A[T, "help"] = default`` or ``name: A[T, Arg(...)] = default``. The script parses those
+class bodies with ``ast``. CLI flags follow ``add_cli_args_from_dataclass`` in ``sglang/srt/arg_groups/arg_utils.py``:
+``Arg.cli_name`` or ``--`` + name with ``_`` -> ``-``, plus ``Arg.aliases``; no flag for ``Arg(no_cli=True)`` or a
+plain annotation without ``A[...]`` metadata. The ``parser.add_argument`` calls of ``ServerArgs.add_cli_args``
+(dynamic choices, deprecated spellings, --config) add flags to their field, or land in ``cli_only`` when their dest
+is no field (``from_cli_args`` drops those). The field set is cross-checked against ``POSITIONAL_FIELD_ORDER``
+(``arg_groups/field_order.py``). Only option names, types, defaults and choices are kept, as data.
 
-    In 0.5.23 ``ServerArgs`` is built with ``msgspec.defstruct`` from the namespace Structs listed in
-    ``_INPUT_NAMESPACES`` of ``sglang/srt/server_args.py``; each lives in ``sglang/srt/arg_groups/fields/*.py``
-    and declares fields as ``name: A[T, "help"] = default`` or ``name: A[T, Arg(...)] = default``. The script
-    parses those class bodies with ``ast``. CLI flags follow ``add_cli_args_from_dataclass`` in
-    ``sglang/srt/arg_groups/arg_utils.py``: ``Arg.cli_name`` or ``--`` + name with ``_`` -> ``-``, plus
-    ``Arg.aliases``; no flag for ``Arg(no_cli=True)`` or a plain annotation without ``A[...]`` metadata. The
-    ``parser.add_argument`` calls of ``ServerArgs.add_cli_args`` (dynamic choices, deprecated spellings, --config)
-    add flags to their field, or land in ``cli_only`` when their dest is no field (``from_cli_args`` drops those).
-    The field set is cross-checked against ``POSITIONAL_FIELD_ORDER`` (``arg_groups/field_order.py``).
-
-``megatron_args.json`` -- the argparse destinations of Megatron-LM's ``megatron/training/arguments.py``
-    (``add_megatron_arguments``) at tag ``core_v0.16.1``, the tree that matches the megatron-core 0.16.1 wheel
-    (its ``megatron/core`` is byte-identical to the installed one). Neither the wheel nor the sdist of
-    megatron-core ships ``megatron/training``, so this needs a Megatron-LM git clone (any checkout state: files
-    are read with ``git show <ref>:<path>``) or a plain source tree at that tag:
-
-        git clone --filter=blob:none <GitHub NVIDIA/Megatron-LM> megatron-lm
-        python scripts/snapshot_passthrough.py --megatron-src megatron-lm --megatron-ref core_v0.16.1
-
-    Every literal ``add_argument`` call of ``arguments.py`` is parsed with ``ast`` (dest explicit, or derived from
-    the first long flag as argparse does). ``ArgumentGroupFactory(Config, exclude=[...]).build_group(...)`` calls
-    (``megatron/training/argument_utils.py``) generate arguments from dataclasses (TransformerConfig and its base
-    ModelParallelConfig in megatron/core, TrainingConfig, SchedulerConfig, ... in megatron/training); the script
-    emulates that factory on the dataclass ASTs: dest = field name, flag ``--field-name``; a bool field defaulting
-    to anything but False becomes ``store_false`` with ``--no-X``/``--disable-X``; Optional/list/Literal/Enum
-    unwrapped as the factory does; ``field(metadata={"argparse_meta": {...}})`` overrides last; fields with
-    ``init=False`` or in ``exclude`` are skipped. Arguments added under an ``if`` (the kitchen quantization
-    flags, only when that extension imports) carry ``conditional``. Several calls sharing one dest are merged:
-    the first one (whose default argparse keeps) gives the fields, the rest are kept in ``other_definitions``.
-
-    Checked once against the real parser (core_v0.16.1 training sources on top of the installed megatron-core
-    0.16.1, ``add_megatron_arguments(argparse.ArgumentParser())``, walking ``parser._actions``): the same 649
-    dests with the same flags, actions, types, choices and literal defaults; the snapshot has 651 because it
-    also lists the two kitchen flags that parser omits without the kitchen extension.
-
-Nothing of either project is imported: only option names, types, defaults and choices are kept, as data.
+(``train.megatron`` needs no snapshot: it is checked against the installed megatron-core's TransformerConfig, the
+dataclass the backend passes it to.)
 
 Usage (from the repository root)::
 
-    python scripts/snapshot_passthrough.py --megatron-src /path/to/Megatron-LM            # both files
-    python scripts/snapshot_passthrough.py --only sglang --sglang-wheel /tmp/sgl/sglang-0.5.23-*.whl
-    python scripts/snapshot_passthrough.py --megatron-src ... --check                    # exit 1 if stale
+    python scripts/snapshot_passthrough.py                                   # downloads the wheel
+    python scripts/snapshot_passthrough.py --sglang-wheel /tmp/sgl/sglang-0.5.23-*.whl
+    python scripts/snapshot_passthrough.py --check                           # exit 1 if stale
 
 Output is deterministic (sorted keys, no timestamps), so a regeneration diff shows only real changes.
 """
@@ -66,11 +41,9 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 SGLANG_VERSION = "0.5.23"
-MEGATRON_REF = "core_v0.16.1"
-MEGATRON_CORE_VERSION = "0.16.1"
 GENERATED_BY = "scripts/snapshot_passthrough.py"
 OUT_DIR = Path(__file__).resolve().parent.parent / "slime_hydra" / "snapshots"
 
@@ -111,20 +84,6 @@ def zip_source(wheel: Path) -> Source:
     archive = zipfile.ZipFile(wheel)
     names = set(archive.namelist())
     return Source(lambda p: archive.read(p).decode() if p in names else None, wheel.name)
-
-
-def dir_source(root: Path) -> Source:
-    def read(p: str) -> str | None:
-        f = root / p
-        return f.read_text() if f.is_file() else None
-    return Source(read, str(root))
-
-
-def git_source(repo: Path, ref: str) -> Source:
-    def read(p: str) -> str | None:
-        r = subprocess.run(["git", "-C", str(repo), "show", f"{ref}:{p}"], capture_output=True, text=True)
-        return r.stdout if r.returncode == 0 else None
-    return Source(read, f"{repo}@{ref}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -466,364 +425,6 @@ def _derive_dest(flags: list[str]) -> str:
     return first.lstrip("-").replace("-", "_")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Megatron-LM
-# ----------------------------------------------------------------------------------------------------------------
-
-MEG_ARGUMENTS = "megatron/training/arguments.py"
-MEG_ARGUMENTS_MODULE = "megatron.training.arguments"
-BUILTIN_TYPES = {"int", "float", "str", "bool"}
-
-
-class TypeInferenceError(Exception):
-    pass
-
-
-class DataclassIndex:
-    """Resolves class names through imports and reads dataclass fields from the ASTs."""
-
-    def __init__(self, src: Source):
-        self.src = src
-        self.files: set[str] = set()
-
-    def resolve(self, module: str, name: str, scope: list[ast.stmt] | None = None) -> tuple[str, ast.ClassDef]:
-        if "." in name:  # a dotted reference such as enums.AttnBackend is not needed so far
-            raise TypeInferenceError(f"dotted class reference {name}")
-        for _ in range(10):
-            path = self.src.module_path(module)
-            if path is None:
-                raise TypeInferenceError(f"module {module} not in source")
-            tree = self.src.tree(path)
-            cls = find_class(tree, name)
-            if cls is not None:
-                self.files.add(path)
-                return module, cls
-            origin = imported_from(tree, module, name, scope, is_package=path.endswith("__init__.py"))
-            if origin is None:
-                raise TypeInferenceError(f"{name} neither defined nor imported in {module}")
-            module, scope = origin, None
-        raise TypeInferenceError(f"import chain of {name} too long")
-
-    def is_enum(self, module: str, cls: ast.ClassDef) -> bool:
-        for base in cls.bases:
-            base_name = unparse(base)
-            if base_name.split(".")[-1] in ("Enum", "IntEnum", "StrEnum", "Flag", "IntFlag"):
-                return True
-            if isinstance(base, ast.Name) and base.id not in BUILTIN_TYPES | {"object"}:
-                try:
-                    if self.is_enum(*self.resolve(module, base.id)):
-                        return True
-                except TypeInferenceError:
-                    pass
-        return False
-
-    def enum_members(self, cls: ast.ClassDef) -> list[str]:
-        members = []
-        for stmt in cls.body:
-            if isinstance(stmt, ast.Assign):
-                members += [t.id for t in stmt.targets if isinstance(t, ast.Name) and not t.id.startswith("_")]
-        return members
-
-    def fields(self, module: str, cls: ast.ClassDef) -> dict[str, tuple[str, str, ast.AnnAssign]]:
-        """Dataclass fields in dataclass order (bases first), as {name: (module, declaring class, stmt)}."""
-        out: dict[str, tuple[str, str, ast.AnnAssign]] = {}
-        for base in cls.bases[:1]:
-            if isinstance(base, ast.Name) and base.id != "object":
-                out.update(self.fields(*self.resolve(module, base.id)))
-        for stmt in cls.body:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) \
-                    and not _is_classvar(stmt.annotation):
-                out[stmt.target.id] = (module, cls.name, stmt)  # an override keeps the base's position
-        return out
-
-
-def _split_optional(ann: ast.AST) -> tuple[str, list[ast.AST]]:
-    """(origin, args) of a subscripted/union annotation, '' for a plain one."""
-    if isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr):
-        members = []
-
-        def flatten(n):
-            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.BitOr):
-                flatten(n.left)
-                flatten(n.right)
-            else:
-                members.append(n)
-        flatten(ann)
-        return "Union", members
-    if isinstance(ann, ast.Subscript):
-        origin = call_name(ann.value)
-        args = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
-        if origin == "Optional":
-            return "Union", [args[0], ast.Constant(None)]
-        return origin, list(args)
-    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):  # a string annotation
-        return _split_optional(ast.parse(ann.value, mode="eval").body)
-    return "", []
-
-
-def _is_none(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Constant) and node.value is None) or unparse(node) in ("type(None)", "NoneType")
-
-
-def _extract_type(index: DataclassIndex, module: str, ann: ast.AST) -> dict[str, Any]:
-    """What ArgumentGroupFactory._extract_type infers: {'type': name, 'nargs'?, 'choices'?}."""
-    origin, args = _split_optional(ann)
-    if origin == "":
-        name = unparse(ann)
-        if name in BUILTIN_TYPES:
-            return {"type": name}
-        if isinstance(ann, ast.Name):
-            try:
-                cls_module, cls = index.resolve(module, name)
-            except TypeInferenceError:
-                return {"type": name}
-            if index.is_enum(cls_module, cls):
-                return {"type": f"enum {name} (by member name)", "choices": index.enum_members(cls)}
-        if isinstance(ann, ast.Attribute) and isinstance(ann.value, ast.Name) \
-                and ann.value.id in sys.stdlib_module_names:  # e.g. signal.Signals: inspect the stdlib class
-            import enum
-            import importlib
-            stdlib_cls = getattr(importlib.import_module(ann.value.id), ann.attr, None)
-            if isinstance(stdlib_cls, type) and issubclass(stdlib_cls, enum.Enum):
-                return {"type": f"enum {name} (by member name)", "choices": list(stdlib_cls.__members__)}
-        # typing.Callable and friends have an origin; other classes are used as argparse type callables
-        if name in ("Callable", "typing.Callable", "Any", "typing.Any"):
-            raise TypeInferenceError(f"Unsupported type: {name}")
-        return {"type": name}
-    if origin == "Union":
-        if len(args) == 2 and _is_none(args[1]):
-            return _extract_type(index, module, args[0])
-        raise TypeInferenceError(f"Unions not supported by argparse: {unparse(ann)}")
-    if origin in ("list", "List"):
-        if len(args) == 1:
-            kwargs = _extract_type(index, module, args[0])
-            kwargs["nargs"] = "+"
-            return kwargs
-        raise TypeInferenceError(f"Multi-type lists not supported by argparse: {unparse(ann)}")
-    if origin == "Literal":
-        values = [literal(a) for a in args]
-        kinds = {type(v).__name__ for v in values}
-        if len(kinds) != 1:
-            raise TypeInferenceError(f"mixed Literal {unparse(ann)}")
-        return {"type": kinds.pop(), "choices": values}
-    raise TypeInferenceError(f"Unsupported type: {unparse(ann)}")
-
-
-def _factory_options(index: DataclassIndex, module: str, cls_name: str, exclude: set[str],
-                     scope: list[ast.stmt]) -> Iterator[dict]:
-    """The add_argument calls ArgumentGroupFactory(cls, exclude).build_group() makes, as option entries."""
-    cls_module, cls = index.resolve(module, cls_name, scope)
-    for name, (fmodule, declared_in, stmt) in index.fields(cls_module, cls).items():
-        value = stmt.value
-        kw: dict[str, ast.AST] = {}
-        if isinstance(value, ast.Call) and call_name(value) == "field":
-            kw = keywords(value)
-        if name in exclude or literal(kw.get("init")) is False:
-            continue
-        entry: dict[str, Any] = {"flags": ["--" + name.replace("_", "-")], "dest": name,
-                                 "dataclass": cls.name if declared_in == cls.name
-                                 else f"{cls.name} (declared in {declared_in})",
-                                 "annotation": unparse(stmt.annotation)}
-        # default: field default, else default_factory()
-        if kw:
-            if "default" in kw:
-                default_node, default_value = kw["default"], literal(kw["default"])
-            else:
-                factory = kw.get("default_factory")
-                empty = {"list": [], "dict": {}, "set": [], "tuple": []}
-                if isinstance(factory, ast.Name) and factory.id in empty:
-                    default_node, default_value = factory, empty[factory.id]
-                elif isinstance(factory, ast.Lambda):
-                    default_node, default_value = factory.body, literal(factory.body)
-                else:
-                    raise SystemExit(f"{cls.name}.{name}: a field without default reaches argparse")
-        elif value is not None:
-            default_node, default_value = value, literal(value)
-        else:
-            raise SystemExit(f"{cls.name}.{name}: a field without default reaches argparse")
-
-        meta: dict[ast.AST, ast.AST] | None = None
-        metadata = kw.get("metadata")
-        if isinstance(metadata, ast.Dict):
-            for k, v in zip(metadata.keys, metadata.values):
-                if literal(k) == "argparse_meta":
-                    if not isinstance(v, ast.Dict):
-                        raise SystemExit(f"{cls.name}.{name}: argparse_meta is no dict literal")
-                    meta = dict(zip(v.keys, v.values))
-        try:
-            entry.update(_extract_type(index, fmodule, stmt.annotation))
-            if entry.get("type") == "bool":
-                # `default == False` as the factory tests it: None, a factory, a non-False value -> store_false
-                is_false = default_value is not _MISSING and default_value == False  # noqa: E712
-                entry["action"] = "store_true" if is_false else "store_false"
-                del entry["type"]
-                if entry["action"] == "store_false":
-                    entry["flags"] = ["--no-" + name.replace("_", "-"), "--disable-" + name.replace("_", "-")]
-        except TypeInferenceError as error:
-            if meta is None:
-                raise SystemExit(f"{cls.name}.{name}: {error} and no argparse_meta (argparse would fail too)")
-        store_default(entry, default_node, default_value)
-        for k, v in (meta or {}).items():
-            key = literal(k)
-            if key == "arg_names":
-                entry["flags"] = literal(v)
-            elif key == "default":
-                entry.pop("default_source", None)
-                store_default(entry, v)
-            elif key == "dest":
-                entry["dest"] = literal(v)
-            elif key in ("choices", "nargs", "action"):
-                lv = literal(v)
-                entry[key] = unparse(v) if lv is _MISSING else lv
-            elif key == "type":
-                entry["type"] = unparse(v)
-            else:
-                lv = literal(v)
-                entry[key] = unparse(v) if lv is _MISSING else lv
-        if "action" in entry and entry["action"] in ("store_true", "store_false"):
-            entry.pop("type", None)
-        source = entry.get("default_source") or ""
-        if str(entry.get("type", "")).startswith("enum ") and source.split(".")[-1] in (entry.get("choices") or []):
-            entry["default"] = source.split(".")[-1]  # the member name, as the flag takes it
-        yield entry
-
-
-def _manual_option(call: ast.Call) -> dict:
-    flags = [literal(a) for a in call.args]
-    kw = keywords(call)
-    entry: dict[str, Any] = {"flags": flags, "dest": literal(kw["dest"]) if "dest" in kw else _derive_dest(flags)}
-    action = kw.get("action")
-    if action is not None:
-        entry["action"] = literal(action) if literal(action) is not _MISSING else unparse(action)
-        if entry["action"].split(".")[-1] == "BooleanOptionalAction":  # argparse adds --no-X for each --X
-            entry["flags"] = flags + ["--no-" + f[2:] for f in flags if f.startswith("--")]
-    if "type" in kw:
-        entry["type"] = unparse(kw["type"])
-    if "default" in kw:
-        store_default(entry, kw["default"])
-    elif entry.get("action") == "store_true":
-        entry["default"] = False
-    elif entry.get("action") == "store_false":
-        entry["default"] = True
-    else:
-        entry["default"] = None
-    if "choices" in kw:
-        choices = literal(kw["choices"])
-        if choices is _MISSING:
-            entry["choices"] = None
-            entry["choices_from"] = unparse(kw["choices"])
-        else:
-            entry["choices"] = choices
-    for key in ("nargs", "const", "required"):
-        if key in kw:
-            value = literal(kw[key])
-            entry[key] = unparse(kw[key]) if value is _MISSING else value
-    return entry
-
-
-def _walk_calls(body: list[ast.stmt], conditions: tuple[str, ...] = ()) -> Iterator[tuple[ast.Call, tuple[str, ...]]]:
-    """Calls in source order, with the `if` tests that enclose them."""
-    for stmt in body:
-        if isinstance(stmt, ast.If):
-            yield from _walk_calls(stmt.body, conditions + (unparse(stmt.test),))
-            yield from _walk_calls(stmt.orelse, conditions + ("not (" + unparse(stmt.test) + ")",))
-            continue
-        if isinstance(stmt, (ast.With, ast.Try)):
-            for part in ("body", "handlers", "orelse", "finalbody"):
-                for sub in getattr(stmt, part, []):
-                    yield from _walk_calls(sub.body if isinstance(sub, ast.ExceptHandler) else [sub], conditions)
-            continue
-        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)) and any(
-                call_name(n) in ("add_argument", "build_group") for n in ast.walk(stmt) if isinstance(n, ast.Call)):
-            raise SystemExit(f"line {stmt.lineno}: arguments added in a loop; teach the script")
-        nodes = sorted((n for n in ast.walk(stmt) if isinstance(n, ast.Call)),
-                       key=lambda n: (n.lineno, n.col_offset))
-        for node in nodes:
-            yield node, conditions
-
-
-def megatron_snapshot(src: Source, ref: str, commit: str | None) -> dict:
-    tree = src.tree(MEG_ARGUMENTS)
-    if tree is None:
-        raise SystemExit(f"{MEG_ARGUMENTS} not in {src.describe}")
-    index = DataclassIndex(src)
-    functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
-    entry_point = functions["add_megatron_arguments"]
-    order = [call_name(n) for n in ast.walk(entry_point)
-             if isinstance(n, ast.Call) and call_name(n).startswith("_add_")]
-    order = sorted(set(order), key=order.index)
-
-    definitions: list[dict] = []
-    for fname in order:
-        func = functions[fname]
-        factories: dict[str, tuple[str, set[str]]] = {}
-        for call, conditions in _walk_calls(func.body):
-            name = call_name(call)
-            if name == "ArgumentGroupFactory":
-                # bind the factory variable: `x = ArgumentGroupFactory(Cls, exclude=...)`
-                for stmt in ast.walk(func):
-                    if isinstance(stmt, ast.Assign) and stmt.value is call:
-                        exclude_node = keywords(call).get("exclude")
-                        if isinstance(exclude_node, ast.Name):  # exclude=exclude: the local list
-                            exclude_node = next(s.value for s in func.body if isinstance(s, ast.Assign)
-                                                and unparse(s.targets[0]) == exclude_node.id)
-                        exclude = [] if exclude_node is None else literal(exclude_node)
-                        if not isinstance(exclude, list):
-                            raise SystemExit(f"{fname}: exclude= is no literal list: {unparse(exclude_node)}")
-                        factories[unparse(stmt.targets[0])] = (unparse(call.args[0]), set(exclude))
-            elif name == "build_group":
-                cls_name, exclude = factories[unparse(call.func.value)]
-                for entry in _factory_options(index, MEG_ARGUMENTS_MODULE, cls_name, exclude, func.body):
-                    entry["added_by"] = f"{fname} via ArgumentGroupFactory"
-                    definitions.append(entry)
-            elif name == "add_argument":
-                entry = _manual_option(call)
-                entry["added_by"] = fname
-                if conditions:
-                    entry["conditional"] = " and ".join(conditions)
-                definitions.append(entry)
-
-    options: dict[str, dict] = {}
-    for entry in definitions:
-        dest = entry.pop("dest")
-        if dest in options:
-            first = options[dest]
-            first["flags"] = first["flags"] + [f for f in entry["flags"] if f not in first["flags"]]
-            first.setdefault("other_definitions", []).append(entry)
-        else:
-            options[dest] = entry
-
-    version = MEGATRON_CORE_VERSION
-    info = src.tree("megatron/core/package_info.py")
-    if info is not None:
-        parts = {}
-        for stmt in info.body:
-            if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name) \
-                    and stmt.targets[0].id in ("MAJOR", "MINOR", "PATCH"):
-                parts[stmt.targets[0].id] = literal(stmt.value)
-        if len(parts) == 3:
-            version = f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"
-    return {
-        "source": "Megatron-LM megatron/training/arguments.py",
-        "version": f"{ref} (megatron-core {version})",
-        "generated_by": GENERATED_BY,
-        "source_detail": {
-            "repository": "NVIDIA/Megatron-LM",
-            "ref": ref,
-            "commit": commit,
-            "megatron_core_version": version,
-            "files": sorted({MEG_ARGUMENTS, "megatron/training/argument_utils.py"} | index.files),
-            "entry_point": "add_megatron_arguments (parse_args adds rank/world_size from the environment, "
-                           "not options)",
-            "dest_rule": "explicit dest=, else the first long flag without '--', '-' -> '_'; "
-                         "ArgumentGroupFactory: the dataclass field name",
-        },
-        "options": dict(sorted(options.items())),
-    }
-
-
-# ----------------------------------------------------------------------------------------------------------------
-
 COMMON_KEYS = ("type", "default", "flags", "choices")
 
 
@@ -837,35 +438,17 @@ def dump(snapshot: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["sglang", "megatron"], help="regenerate one snapshot only")
     parser.add_argument("--sglang-version", default=SGLANG_VERSION)
     parser.add_argument("--sglang-wheel", help="an sglang wheel already downloaded (else pip download)")
-    parser.add_argument("--megatron-src", help="Megatron-LM git clone (read at --megatron-ref) or source tree")
-    parser.add_argument("--megatron-ref", default=MEGATRON_REF, help="tag/commit to read from a git clone")
     parser.add_argument("--out-dir", default=str(OUT_DIR))
     parser.add_argument("--check", action="store_true", help="compare with the files instead of writing them")
     args = parser.parse_args(argv)
 
     outputs: dict[str, str] = {}
-    if args.only in (None, "sglang"):
-        with tempfile.TemporaryDirectory() as tmp:
-            wheel = Path(args.sglang_wheel) if args.sglang_wheel else download_sglang_wheel(args.sglang_version,
-                                                                                              Path(tmp))
-            sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
-            outputs["sglang_server_args.json"] = dump(sglang_snapshot(zip_source(wheel), args.sglang_version, sha))
-    if args.only in (None, "megatron"):
-        if not args.megatron_src:
-            parser.error("--megatron-src is needed: neither the megatron-core wheel nor its sdist ships "
-                         "megatron/training; clone NVIDIA/Megatron-LM (tag core_v0.16.1)")
-        root = Path(args.megatron_src)
-        is_git = subprocess.run(["git", "-C", str(root), "rev-parse", "--git-dir"], capture_output=True).returncode == 0
-        if is_git:
-            commit = subprocess.run(["git", "-C", str(root), "rev-parse", f"{args.megatron_ref}^{{commit}}"],
-                                    capture_output=True, text=True, check=True).stdout.strip()
-            src = git_source(root, commit)
-        else:
-            commit, src = None, dir_source(root)
-        outputs["megatron_args.json"] = dump(megatron_snapshot(src, args.megatron_ref, commit))
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = Path(args.sglang_wheel) if args.sglang_wheel else download_sglang_wheel(args.sglang_version, Path(tmp))
+        sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        outputs["sglang_server_args.json"] = dump(sglang_snapshot(zip_source(wheel), args.sglang_version, sha))
 
     stale = []
     for name, text in outputs.items():

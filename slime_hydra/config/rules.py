@@ -124,8 +124,8 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                 yield Problem(("train.tp", f"model.{key}"), f"multi-latent attention's {key} projection has "
                               f"{rows} rows, not divisible by train.tp={t.tp}", f"choose train.tp among {_divisors(rows)}")
     # Megatron's uneven pipeline: the first/last stage may hold a given number of layers, the rest split evenly.
-    uneven = {k: t.megatron[k] for k in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
-              if t.megatron.get(k) is not None}
+    uneven = {k: t.megatron[k] for k in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+              if isinstance(t.megatron.get(k), int)}
     even_layers, even_stages = m.num_layers - sum(uneven.values()), t.pp - len(uneven)
     if even_stages > 0 and (even_layers < even_stages or even_layers % even_stages):
         if uneven:
@@ -136,7 +136,7 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
             yield Problem(("train.pp", "model.num_layers"),
                           f"model.num_layers={m.num_layers} is not divisible by train.pp={t.pp}",
                           f"choose train.pp among {_divisors(m.num_layers)}, or give the first/last stage its own "
-                          "count (train.megatron.decoder_first_pipeline_num_layers)")
+                          "count (train.megatron.num_layers_in_first_pipeline_stage)")
 
 
 def check_rollout(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:

@@ -207,7 +207,8 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters in place of full fine-tuning (off while lora.rank is 0)."""
     megatron: Dict[str, Any] = field(default_factory=dict)
-    """Passthrough Megatron options (argparse destinations), checked against a pinned snapshot of the names."""
+    """Passthrough megatron-core TransformerConfig fields (recompute_granularity, num_layers_in_first_pipeline_stage
+    ...), given to the backend's TransformerConfig; names and value types checked against that dataclass."""
 
     @property
     def model_parallel_size(self) -> int:

@@ -43,6 +43,7 @@ dense MLP of intermediate_size.
 import dataclasses
 import importlib
 import importlib.util
+import typing
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -329,6 +330,21 @@ def init_parallel(tp: int, pp: int = 1, cp: int = 1, ep: int = 1, seed: int = 0)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
 
 
+def config_schema(mla: bool):
+    """megatron-core's config class the backend builds: MLATransformerConfig for multi-latent attention."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    return MLATransformerConfig if mla else TransformerConfig
+
+
+def config_field_types(mla: bool) -> dict[str, Any]:
+    """Field name -> type hint of ``config_schema(mla)``: the domain of the train.megatron passthrough (what
+    ``transformer_config`` accepts as overrides; config/passthrough.py checks a config against it)."""
+    schema = config_schema(mla)
+    hints = typing.get_type_hints(schema)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(schema) if f.init}
+
+
 def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "cpu",
                        use_te: bool = False, overrides: dict[str, Any] | None = None, ep: int = 1):
     """megatron's TransformerConfig for this architecture. Parameters are fp32 (the optimizer's masters); bf16
@@ -340,8 +356,6 @@ def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device
     experts, then top-k); the grouped router's sigmoid options (module docstring); the allgather token dispatcher
     (moe.py says why); grouped GEMM with TransformerEngine only; the load-balancing loss only when
     arch.moe_aux_loss_coeff > 0."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-
     use_te = use_te and not arch.is_mla  # build_model's spec: MLA runs the local spec (mla.py)
     kwargs = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
@@ -351,7 +365,8 @@ def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device
         add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
         rotary_interleaved=arch.rotary_interleaved, hidden_dropout=0.0, attention_dropout=arch.attention_dropout,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        pipeline_dtype=torch.float32, params_dtype=torch.float32, use_cpu_initialization=device == "cpu", perform_initialization=False,
+        pipeline_dtype=torch.float32, params_dtype=torch.float32, use_cpu_initialization=device == "cpu",
+        perform_initialization=False,
         transformer_impl="transformer_engine" if use_te else "local",
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
@@ -381,9 +396,8 @@ def transformer_config(arch: Arch, tp: int = 1, pp: int = 1, cp: int = 1, device
             qk_pos_emb_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim, rope_type="rope",
             rotary_scaling_factor=arch.rope_scaling_factor, mscale_all_dim=arch.mscale_all_dim,
         )
-    schema = MLATransformerConfig if arch.is_mla else TransformerConfig
-    fields = {f.name for f in dataclasses.fields(schema)}
-    unknown = sorted(set(overrides or {}) - fields)
+    schema = config_schema(arch.is_mla)
+    unknown = sorted(set(overrides or {}) - set(config_field_types(arch.is_mla)))
     if unknown:
         raise ValueError(f"train.megatron options {unknown} are not megatron-core {schema.__name__} fields; "
                          "the megatron backend passes only those through")
