@@ -62,22 +62,26 @@ train/config.megatron_lora_problems (config validation refuses them first). PPO'
 
 Mixture of experts (Qwen3-MoE, GLM-4.5, DeepSeek-V3; moe.py): megatron's MoELayer in the sparse layers, experts
 TP-split like dense MLPs. DeepSeek-V3's multi-latent attention: mla.py (LoRA on it is refused).
-Expert parallelism (train.ep > 1) splits each layer's experts over ep data-parallel ranks (EP rank k holds experts
-[k E / ep, (k + 1) E / ep)); the dispatcher all-gathers the EP group's tokens, and EP peers run the same number of
-micro-batches (``_micro_batches`` adds empty ones to the ranks with fewer). Expert gradients are reduced over the
-expert-data-parallel group, the grad norm sums each EP rank's experts once, the ZeRO optimizer shards over the
-expert-data-parallel peers (the ranks holding the same experts), checkpoints hold one file per (PP stage, TP rank,
-EP rank), and weight export gathers every expert on every rank. Built and tested with TP and DP; ep > 1 with PP or
-CP is refused (train/config.megatron_moe_problems). The router's load-balancing loss (megatron's switch loss per MoE layer
-and micro-batch) is off unless ``train.megatron.moe_aux_loss_coeff`` > 0; each micro-batch's is weighted like its
-main loss (units(micro) / units(global) * dp, through megatron's MoEAuxLossAutoScaler), so pp > 1 is refused with
-it; train=fsdp trains without one, so the two are compared with it off.
+Expert parallelism (train.ep > 1) splits each layer's experts over ep ranks of a pipeline stage that are DP or CP
+peers (EP rank k holds experts [k E / ep, (k + 1) E / ep); megatron's expert grid "tp-ep-dp-pp" folds the stage's
+cp x dp ranks into EP x expert-DP, so ep divides cp x dp); the dispatcher all-gathers the EP group's tokens (CP
+peers' are other chunks of the same sequences), and EP peers run the same number of micro-batches
+(``_micro_batches`` adds empty ones to the ranks with fewer), which with pp > 1 puts each MoE layer's collectives
+at the same place of every peer's 1F1B order (it depends only on the stage and the count). Expert gradients are
+reduced over the expert-data-parallel group, the grad norm sums each EP rank's experts once, the ZeRO optimizer
+shards over the expert-data-parallel peers (the ranks holding the same experts), checkpoints hold one file per
+(PP stage, TP rank, EP rank), and weight export gathers every expert of every stage on every rank. Built and
+tested with TP, DP, PP and CP (train/config.megatron_moe_problems refuses an ep not dividing E and cp x dp). The
+router's load-balancing loss (megatron's switch loss per MoE layer and micro-batch) is off unless
+``train.megatron.moe_aux_loss_coeff`` > 0; each micro-batch's is weighted like its main loss (units(micro) /
+units(global) * dp, through megatron's MoEAuxLossAutoScaler), so pp > 1 is refused with it; train=fsdp trains
+without one, so the two are compared with it off.
 
 Routing replay (algo.routing_replay): a batch with ``routed_experts`` routes every MoE layer's tokens to the experts
 the engine chose (moe.ReplayedChoice), in every forward; PPO's critic routes itself.
 
-Not supported: expert parallelism with PP or CP, LoRA on routed experts (on a MoE model's attention it works); ring attention or packed (THD) sequences under
-CP.
+Not supported: LoRA on routed experts (on a MoE model's attention it works); ring attention or packed (THD)
+sequences under CP.
 """
 
 from contextlib import nullcontext
@@ -243,9 +247,10 @@ class MegatronBackend(TrainBackend):
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
         """Row groups. A token budget counts whole sequences, which the cp ranks share: cp x the budget per GPU.
-        With ep > 1 the EP peers (other DP ranks) run every MoE layer's collectives together, so each runs as many
-        micro-batches as the one with the most: the extra ones are empty groups ([]), run on row 0 with their
-        outputs dropped and a zero loss."""
+        With ep > 1 the EP peers (other DP or CP ranks of the stage) run every MoE layer's collectives together,
+        so each runs as many micro-batches as the one with the most: the extra ones are empty groups ([]), run on
+        row 0 with their outputs dropped and a zero loss. Every stage of a replica gets the same count (its EP
+        group holds the same DP ranks)."""
         budget = self.train_cfg.max_tokens_per_gpu
         groups = micro_batches(batch, self.train_cfg.micro_batch_samples,
                                None if budget is None else budget * self.cp_size)
@@ -409,8 +414,9 @@ class MegatronBackend(TrainBackend):
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) for every HF state-dict entry, gathered over TP and broadcast over PP one at a
-        time; every rank gets every tensor. Collective: all ranks of this replica (every DP replica yields the same
+        """(HF name, full tensor) for every HF state-dict entry, gathered over TP (an expert on its EP rank, then
+        broadcast over the stage's EP group) and broadcast over PP one at a time; every rank gets every tensor.
+        Collective: all ranks of this replica, and with ep > 1 every rank (every DP replica yields the same
         tensors)."""
         weights = iter_hf_weights(self.model, self.arch, self.tp_group, self.pp_group if self.pp_size > 1 else None,
                                   head=self.head, ep_group=self.ep_group)

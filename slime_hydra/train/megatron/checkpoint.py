@@ -3,7 +3,8 @@
 Per (PP stage, TP rank; and EP rank when ep > 1), the trainable parameters' shards (with train.lora: the adapters
 and trained biases; the frozen base reloads from the model path) and the optimizer's (written by the slot's rank
 with DP and CP rank 0: CP and DP peers hold identical shards; with ep > 1 by its rank of expert-data-parallel rank 0,
-one file per EP rank, as they differ in their experts), scheduler and step, and every rank's RNG state; resume needs
+one file per EP rank, as they differ in their experts; EP ranks are DP and CP ranks, so that writer may have CP
+rank 1), scheduler and step, and every rank's RNG state; resume needs
 the same world size, tp, pp and ep (cp and dp may be traded). To change tp, pp or ep, export_hf and start a new run
 from the export (optimizer state is not carried).
 """
@@ -34,8 +35,10 @@ def save(backend, ckpt_dir: str | Path, background: bool = False) -> None:
     rank, slot_path, ref = dist.get_rank(), ckpt_dir / _slot_file(backend), backend._ref_shards
     if backend.zero:  # every peer's share of the Adam state, gathered on the peer that writes (collective)
         backend.optimizer.consolidate_state_dict(to=0)
-    writes_slot = backend.cp_rank == 0 and (  # CP and DP peers hold the same shards; EP peers differ in experts
-        backend.dp_rank == 0 if backend.ep_size == 1 else dist.get_rank(backend.expert_dp_group) == 0)
+    # CP and DP peers hold the same shards; EP peers (DP and CP ranks of a stage) differ in their experts: one
+    # writer per expert-data-parallel group, i.e. per (PP stage, TP rank, EP rank)
+    writes_slot = (backend.cp_rank == 0 and backend.dp_rank == 0 if backend.ep_size == 1
+                   else dist.get_rank(backend.expert_dp_group) == 0)
     slot = ({"model": {n: p.detach() for n, p in backend._local_shards().items()},
              "optim": backend.optimizer.state_dict()} if writes_slot else {})
     local = {"rng": rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
