@@ -90,10 +90,6 @@ def megatron_moe_problems(train: "TrainConfig", num_experts: int) -> list[Proble
                            f"size ({dp}) x train.cp ({t.cp}) (EP peers are the data- and context-parallel ranks of "
                            f"one pipeline stage)",
                            f"choose train.ep among the common divisors of {num_experts} and {dp * t.cp}"))
-    if float(t.megatron.get("moe_aux_loss_coeff", 0.0)) > 0 and t.pp > 1:
-        out.append(Problem(("train.megatron.moe_aux_loss_coeff", "train.pp"),
-                           "the load-balancing loss is weighted per micro-batch in the last stage's loss, which "
-                           "earlier pipeline stages do not see", "set train.pp=1, or the coefficient to 0"))
     return out
 
 

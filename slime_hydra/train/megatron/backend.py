@@ -74,8 +74,9 @@ shards over the expert-data-parallel peers (the ranks holding the same experts),
 tested with TP, DP, PP and CP (train/config.megatron_moe_problems refuses an ep not dividing E and cp x dp). The
 router's load-balancing loss (megatron's switch loss per MoE layer and micro-batch) is off unless
 ``train.megatron.moe_aux_loss_coeff`` > 0; each micro-batch's is weighted like its main loss (units(micro) /
-units(global) * dp, through megatron's MoEAuxLossAutoScaler), so pp > 1 is refused with it; train=fsdp trains
-without one, so the two are compared with it off.
+units(global) * dp, through megatron's MoEAuxLossAutoScaler, whose scale each MoE layer's backward reads: every
+stage sets it right before each micro-batch's backward, which with pp > 1 follows later forwards); train=fsdp
+trains without one, so the two are compared with it off.
 
 Routing replay (algo.routing_replay): a batch with ``routed_experts`` routes every MoE layer's tokens to the experts
 the engine chose (moe.ReplayedChoice), in every forward; PPO's critic routes itself.
@@ -381,11 +382,12 @@ class MegatronBackend(TrainBackend):
                    for h, idx in zip(hosts, groups)]
         step_metrics = StepMetrics()
 
-        def loss_of(k, mb, out):
-            if self.arch.moe_aux_loss_coeff > 0:  # weighted as this micro-batch's loss (pp = 1: its backward is next)
-                from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+        def aux_loss_scale(k):  # megatron reads it in each MoE layer's backward: this micro-batch's loss weight
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-                MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(weights[k] * self.dp_size, device=self.device))
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(weights[k] * self.dp_size, device=self.device))
+
+        def loss_of(k, mb, out):
             if not groups[k]:  # an EP peer's extra micro-batch: its backward runs the collectives, adds nothing
                 return out.float().sum() * 0.0
             logp, entropy = self._head(out, mb, temperature, with_entropy)
@@ -394,7 +396,8 @@ class MegatronBackend(TrainBackend):
             return loss * weights[k] * self.dp_size
 
         with self._computing():
-            self.pipeline.run(hosts, loss_of, backward=True)
+            self.pipeline.run(hosts, loss_of, backward=True,
+                              before_backward=aux_loss_scale if self.arch.moe_aux_loss_coeff > 0 else None)
         self.gradients.reduce()
         grad_norm = self.gradients.clip(self.train_cfg.clip_grad)
         lr = self.scheduler.get_last_lr()[0]
