@@ -335,14 +335,15 @@ EP_ON_FOUR_RANKS = {
 """TP2 x EP2: experts split over TP inside each EP rank. EP2 x PP2: each stage's EP group is its two DP ranks (4 and
 3 rows: 2 and 1 micro-batches of <= 3, both run 2). EP4 x CP2: one EP group over DP and CP, one expert a rank (2
 and 1 micro-batches, both run 2). EP2 x CP2: EP groups are CP pairs (each DP rank runs its own count), the
-expert-DP peers (ranks 0, 2 and 1, 3) shard the Adam state, and EP rank 1's checkpoint file is written by a CP
-rank 1. EP2 x CP2 x PP2: DP 1 (7 rows, 3 micro-batches), EP groups are each stage's CP pair."""
+expert-DP peers (ranks 0, 2 and 1, 3) shard the experts' Adam state (all four the dense parameters'), and EP rank
+1's checkpoint file is written by a CP rank 1. EP2 x CP2 x PP2: DP 1 (7 rows, 3 micro-batches), EP groups are each stage's CP pair."""
 
 
 def _ep_on_four_ranks(rank, world, path, ckpt):
     from megatron.core import parallel_state
 
     from slime_hydra.train.megatron.backend import MegatronBackend
+    from slime_hydra.train.optim import optimizers
 
     out = {}
     for name, (parallel, _, _) in EP_ON_FOUR_RANKS.items():
@@ -356,11 +357,14 @@ def _ep_on_four_ranks(rank, world, path, ckpt):
         r["logp"] = backend.logprobs(rows)[0]
         r["steps"] = _steps(backend, rows, 1)
         r["weights"] = {n: t.clone() for n, t in backend.iter_full_weights()}
-        r["adam"] = (backend.zero, len(backend.optimizer.optim.state) if backend.zero else None,
-                     len(backend.gradients.params))
-        backend.save(ckpt / name)
-        r["files"] = sorted(f.name for f in (ckpt / name).glob("pp*.pt"))
+        r["adam"] = [(len(getattr(part, "optim", part).state), len(part.param_groups[0]["params"]))
+                     for part in optimizers(backend.optimizer)]  # [dense, experts]: (tensors with state here, all)
+        background = parallel.get("cp", 1) > 1  # written by the writer's thread while the next steps train
+        backend.save(ckpt / name, background=background)
         r["steps"] += _steps(backend, rows, 2)
+        backend.save_finished(wait=True)
+        torch.distributed.barrier()  # every rank's files are on disk
+        r["files"] = sorted(f.name for f in (ckpt / name).glob("pp*.pt"))
         resumed = MegatronBackend(path, train, total_steps=3)
         resumed.load(ckpt / name)
         r["resumed"] = _steps(resumed, rows, 2)
@@ -381,8 +385,10 @@ def test_expert_parallelism_on_four_ranks_equals_tp1(one_rank, ep_on_four_ranks,
     1e-4; iter_full_weights gives every rank every tensor, bit for bit the checkpoint's before training, after a step
     the same on every rank and within 1e-3 of TP1's (a tenth of AdamW's first step of lr 1e-2, whose size is
     g / (|g| + eps) x lr: the few elements with |g| near eps = 1e-8 move by float noise, measured up to 1.9e-4; a
-    misplaced expert would be off by ~0.2); a checkpoint resumes the next two steps exactly (one file per stage,
-    TP rank and EP rank)."""
+    misplaced expert would be off by ~0.2); the distributed optimizer shards the dense parameters' Adam state over
+    the DP x CP peers and the experts' over the expert-DP peers; a checkpoint (one file per stage, TP rank and EP
+    rank, and the dense optimizer state per stage and TP rank; with CP written in the background while the next two
+    steps train) resumes those two steps exactly."""
     out, _ = one_rank
     parallel, layout, micro = EP_ON_FOUR_RANKS[name]
     dp = 4 // (parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("cp", 1))
@@ -401,12 +407,21 @@ def test_expert_parallelism_on_four_ranks_equals_tp1(one_rank, ep_on_four_ranks,
             assert torch.equal(r["weights"][n], results[0]["weights"][n]), (name, rank, n)
             torch.testing.assert_close(r["weights"][n], out["tp1_rows7_weights"][n], atol=1e-3, rtol=0)
     tp, stages, ep = parallel.get("tp", 1), parallel.get("pp", 1), parallel["ep"]
-    assert results[0]["files"] == sorted(f"pp{s}_tp{t}_ep{e}.pt" for s in range(stages) for t in range(tp)
-                                         for e in range(ep))
-    if name == "ep2_cp2":  # ZeRO over the expert-DP peers (0, 2) and (1, 3): each keeps Adam state for its share
-        for peers in ((0, 2), (1, 3)):
-            (zero_a, own_a, total), (zero_b, own_b, _) = (results[k]["adam"] for k in peers)
-            assert zero_a and zero_b and 0 < own_a < total and own_a + own_b == total, results[peers[0]]["adam"]
+    assert results[0]["files"] == sorted([f"pp{s}_tp{t}_ep{e}.pt" for s in range(stages) for t in range(tp)
+                                          for e in range(ep)] + [f"pp{s}_tp{t}_dense_optim.pt"
+                                                                 for s in range(stages) for t in range(tp)])
+    # ZeRO: the dense parameters' Adam state split over the DP x CP peers (the ranks of one TP rank and stage: 2 or
+    # 4 here), the experts' over the expert-DP peers (those of one EP rank too: 2 at EP2 x CP2, else 1, plain
+    # AdamW): each peer holds a share, the shares all the part's tensors
+    peers = {0: 4 // (tp * stages), 1: 4 // (tp * stages * ep)}
+    for part, group_of in ((0, lambda at: at[:2]), (1, lambda at: (at[0], at[1], at[4]))):
+        groups = {}
+        for rank, r in enumerate(results):
+            groups.setdefault(group_of(layout[rank]), []).append(r["adam"][part])
+        for members in groups.values():
+            held, total = zip(*members)
+            assert len(members) == peers[part] and sum(held) == total[0], (name, part, members)
+            assert len(members) == 1 or 0 < max(held) < total[0], (name, part, members)
 
 
 def test_load_balancing_loss_is_an_option_and_tp2_and_pp2_equal_tp1(one_rank, two_ranks):

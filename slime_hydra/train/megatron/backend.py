@@ -25,7 +25,9 @@ Optimizer: megatron's DistributedOptimizer needs CUDA and megatron's own trainin
 optim.py's AdamW over this rank's parameter shards (fp32 masters; bf16 compute on GPU: see Precision below); with
 ``train.distributed_optimizer`` (default) and more than one data-parallel-with-CP peer, its state is sharded over
 those peers (ZeRO-1, torch's ZeroRedundancyOptimizer: each parameter's Adam state lives on one peer, which
-updates it and broadcasts it), megatron's distributed optimizer in effect, on CPU and GPU alike.
+updates it and broadcasts it), megatron's distributed optimizer in effect, on CPU and GPU alike. With ep > 1 a
+rank's experts are a second part (optim.Partitioned), sharded over the expert-data-parallel peers (the ranks
+holding the same experts), as megatron's distributed optimizer shards expert parameters over its expert-DP group.
 
 Logprobs: the output layer stays vocab-parallel; vocab_parallel.py turns this rank's logit slice into logprobs and
 entropy with all-reduces of max, sum-exp and the target logit over TP.
@@ -69,8 +71,8 @@ peers' are other chunks of the same sequences), and EP peers run the same number
 (``_micro_batches`` adds empty ones to the ranks with fewer), which with pp > 1 puts each MoE layer's collectives
 at the same place of every peer's 1F1B order (it depends only on the stage and the count). Expert gradients are
 reduced over the expert-data-parallel group, the grad norm sums each EP rank's experts once, the ZeRO optimizer
-shards over the expert-data-parallel peers (the ranks holding the same experts), checkpoints hold one file per
-(PP stage, TP rank, EP rank), and weight export gathers every expert of every stage on every rank. Built and
+shards the experts' state over the expert-data-parallel peers and the rest over DP x CP, checkpoints hold one file
+per (PP stage, TP rank, EP rank) and the dense optimizer state in one per (PP stage, TP rank), and weight export gathers every expert of every stage on every rank. Built and
 tested with TP, DP, PP and CP (train/config.megatron_moe_problems refuses an ep not dividing E and cp x dp). The
 router's load-balancing loss (megatron's switch loss per MoE layer and micro-batch) is off unless
 ``train.megatron.moe_aux_loss_coeff`` > 0; each micro-batch's is weighted like its main loss (units(micro) /
@@ -92,7 +94,6 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from slime_hydra.routed_experts import NO_EXPERT
@@ -113,7 +114,7 @@ from slime_hydra.train.megatron.pipeline import Pipeline
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
 from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
-from slime_hydra.train.optim import build_optimizer
+from slime_hydra.train.optim import build_optimizer, is_sharded
 
 
 class MegatronBackend(TrainBackend):
@@ -206,11 +207,13 @@ class MegatronBackend(TrainBackend):
             self.model.output_layer.register_forward_pre_hook(self._head_input)
             self.model.output_layer.register_forward_hook(self._head_output)
         peak = train.critic_lr if role == "critic" else train.lr
-        self.optimizer, self.scheduler = build_optimizer(
+        experts = [self.params[p.megatron] for p in table if p.expert is not None and p.megatron in self.params]
+        self.optimizer, self.scheduler = build_optimizer(  # ZeRO: experts over their expert-DP peers (ep > 1)
             self.model.parameters(), train, total_steps, peak,
-            shard_group=(self.expert_dp_group if train.ep > 1 else self.dp_cp_group) if train.distributed_optimizer
-            else None)
-        self.zero = isinstance(self.optimizer, ZeroRedundancyOptimizer)
+            shard_group=self.dp_cp_group if train.distributed_optimizer else None,
+            part_groups=[(experts, self.expert_dp_group if train.distributed_optimizer else None)]
+            if train.ep > 1 else None)
+        self.zero = is_sharded(self.optimizer)
         self.step = 0
         self._ref_shards = host_copy(self._reference_shards()) if keep_reference else None
 
