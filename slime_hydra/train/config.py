@@ -84,19 +84,12 @@ def megatron_moe_problems(train: "TrainConfig", num_experts: int) -> list[Proble
     if t.ep > 1 and not num_experts:
         out.append(Problem(("train.ep",), f"expert parallelism (train.ep={t.ep}) needs a MoE model; this one is dense",
                            "set train.ep=1"))
-    elif t.ep > 1 and (num_experts % t.ep or dp % t.ep):
-        out.append(Problem(("train.ep", "model.num_experts", "train.num_gpus"),
+    elif t.ep > 1 and (num_experts % t.ep or (dp * t.cp) % t.ep):
+        out.append(Problem(("train.ep", "model.num_experts", "train.num_gpus", "train.cp"),
                            f"train.ep={t.ep} must divide the experts per layer ({num_experts}) and the data-parallel "
-                           f"size ({dp}: EP peers are data-parallel ranks)",
-                           f"choose train.ep among the common divisors of {num_experts} and {dp}"))
-    if t.ep > 1 and (t.pp > 1 or t.cp > 1):
-        out.append(Problem(("train.ep", "train.pp", "train.cp"), f"train.ep={t.ep} with train.pp={t.pp} and "
-                           f"train.cp={t.cp}: expert parallelism is built with tensor and data parallelism only",
-                           "set train.pp=1 and train.cp=1"))
-    if float(t.megatron.get("moe_aux_loss_coeff", 0.0)) > 0 and t.pp > 1:
-        out.append(Problem(("train.megatron.moe_aux_loss_coeff", "train.pp"),
-                           "the load-balancing loss is weighted per micro-batch in the last stage's loss, which "
-                           "earlier pipeline stages do not see", "set train.pp=1, or the coefficient to 0"))
+                           f"size ({dp}) x train.cp ({t.cp}) (EP peers are the data- and context-parallel ranks of "
+                           f"one pipeline stage)",
+                           f"choose train.ep among the common divisors of {num_experts} and {dp * t.cp}"))
     return out
 
 

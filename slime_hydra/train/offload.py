@@ -16,12 +16,14 @@ the engines can take the memory.
 
 import torch
 
+from slime_hydra.train.optim import local_states
+
 
 def to_host(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[dict, str]]:
     """Move the model and the optimizer's GPU state to the host; returns the (state dict, key) pairs moved."""
     model.to("cpu", non_blocking=True)
     moved = []
-    for state in getattr(optimizer, "optim", optimizer).state.values():  # ZeroRedundancyOptimizer: its shard's
+    for state in local_states(optimizer):  # ZeroRedundancyOptimizer: its shard's; optim.Partitioned: each part's
         for key, value in state.items():
             if torch.is_tensor(value) and value.is_cuda:
                 state[key] = value.to("cpu", non_blocking=True)

@@ -3,7 +3,7 @@
 import pytest
 
 from slime_hydra.config import ConfigError
-from tests.config.helpers import problems
+from tests.config.helpers import load, problems
 
 BIG = ("model=qwen3_8b", "model.path=/ckpt/qwen3_8b")  # heads 32, kv 8, layers 36, context 40960
 GPU8 = ("cluster.gpus_per_node=8",)
@@ -198,12 +198,10 @@ INVALID = [
     (("cluster=slurm", "cluster.sbatch_extra=['--x=1\n#SBATCH --y']"), "cluster.sbatch_extra", "spans lines"),
     (("model.name=../../etc", "model.path=/tmp"), "model.name", "not a plain name"),
     # what a backend would refuse at start-up
-    (("model=tiny_moe", "train=megatron", "train.ep=2", "train.num_gpus=4", "train.pp=2",
-      "train.micro_batch_samples=1"), "train.ep", "tensor and data parallelism only"),
+    (("model=tiny_moe", "train=megatron", "train.ep=4", "train.num_gpus=4", "train.pp=2",
+      "train.micro_batch_samples=1"), "train.ep", "data-parallel size (2) x train.cp (1)"),
     (("model=tiny_moe", "train=megatron", "train.ep=4", "train.num_gpus=2", "train.micro_batch_samples=1"),
      "train.ep", "data-parallel size (2"),
-    (("model=tiny_moe", "train=megatron", "train.num_gpus=2", "train.pp=2", "train.micro_batch_samples=1",
-      "+train.megatron.moe_aux_loss_coeff=0.01"), "train.megatron.moe_aux_loss_coeff", "set train.pp=1"),
     (("model=qwen3_30b_a3b", "model.path=/ckpt", "train.ep=2", "train.num_gpus=2", "train.micro_batch_samples=1"),
      "train.ep", "train=fsdp has no expert parallelism"),
     (("train=megatron", "train.gradient_checkpointing=true"), "train.gradient_checkpointing", "CUDA RNG"),
@@ -228,6 +226,16 @@ def test_invalid_config_names_key_and_fix(overrides, key, fragment):
     matching = [p for p in error.problems if key in p.keys]
     assert matching, f"no problem names {key}:\n{error}"
     assert any(fragment in f"{p.message}; {p.fix}" for p in matching), f"'{fragment}' not in:\n{error}"
+
+
+@pytest.mark.parametrize("parallel", [("train.pp=2", "train.ep=2"), ("train.cp=2", "train.ep=4"),
+                                      ("train.cp=2", "train.pp=2", "train.ep=2"),
+                                      ("train.pp=2", "+train.megatron.moe_aux_loss_coeff=0.01")], ids=" ".join)
+def test_moe_with_pipeline_and_context_parallelism_validates(parallel):
+    """EP peers are the data- and context-parallel ranks of one pipeline stage: ep must divide dp x cp (4 ranks:
+    EP2 x PP2 has dp 2, EP4 x CP2 dp 2 x cp 2, EP2 x CP2 x PP2 dp 1 x cp 2); the load-balancing loss runs with PP."""
+    cfg, _ = load("model=tiny_moe", "train=megatron", "train.micro_batch_samples=1", "train.num_gpus=4", *parallel)
+    assert cfg.train.pp * cfg.train.cp > 1
 
 
 def test_table_is_large():

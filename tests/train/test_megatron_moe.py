@@ -3,8 +3,9 @@
 Tiny random Qwen3-MoE checkpoints (transformers' Qwen3MoeConfig, fp32): logits equal transformers' at TP1, TP2
 and EP2 (dense and sparse layers mixed; norm_topk_prob on and off); weights round-trip HF -> megatron -> HF bit for
 bit at each; a training step's loss and grad norm equal train=fsdp's (transformers' modeling) and TP1's at TP2,
-PP2, CP2 and EP2 (the latter with DP ranks of unequal micro-batch counts); export_hf and an EP2 checkpoint resume;
-LoRA on the attention agrees with fsdp's and at EP2.
+PP2, CP2 and EP2 (the latter with DP ranks of unequal micro-batch counts), and on 4 ranks at TP2xEP2, EP2xPP2,
+EP4xCP2, EP2xCP2 and EP2xCP2xPP2 (logprobs, three steps, every weight on every rank, checkpoint resume); export_hf
+and an EP2 checkpoint resume; LoRA on the attention agrees with fsdp's and at EP2.
 The router's load-balancing loss is off everywhere (coefficient 0, the default): transformers adds its own only with
 output_router_logits and labels, which train=fsdp never passes.
 
@@ -118,9 +119,11 @@ def _one_rank(rank, world, path, export):
     megatron.export_hf(export)
     split = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=3), total_steps=3)
     out["tp1_micro3"] = _steps(split, batch)
-    seven = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=3), total_steps=1)
+    seven = MegatronBackend(path, TrainConfig(**CFG, micro_batch_samples=3), total_steps=3)
     out["tp1_rows7_logp"] = seven.logprobs(batch.select(EP2_ROWS))[0]
     out["tp1_rows7"] = _steps(seven, batch.select(EP2_ROWS), 1)
+    out["tp1_rows7_weights"] = {name: t.clone() for name, t in seven.iter_full_weights()}
+    out["tp1_rows7"] += _steps(seven, batch.select(EP2_ROWS), 2)
     fsdp = FSDPBackend(path, TrainConfig(**CFG, micro_batch_samples=8), total_steps=3)
     out["fsdp_logp"] = fsdp.logprobs(batch, temperature=0.7, with_entropy=True)
     out["fsdp"] = _steps(fsdp, batch)
@@ -159,14 +162,10 @@ def _two_ranks(rank, world, path, ckpt):
         backend = MegatronBackend(path, TrainConfig(**CFG, **parallel, micro_batch_samples=3), total_steps=3)
         out[name] = _steps(backend, batch)
         parallel_state.destroy_model_parallel()
-    aux = MegatronBackend(path, TrainConfig(**AUX_CFG, tp=2, micro_batch_samples=3), total_steps=1)
-    out["aux_tp2"] = _steps(aux, batch, 1)
-    parallel_state.destroy_model_parallel()
-    try:
-        MegatronBackend(path, TrainConfig(**AUX_CFG, pp=2), total_steps=1)
-        out["aux_pp2"] = None
-    except ValueError as error:
-        out["aux_pp2"] = str(error)
+    for name, parallel in (("aux_tp2", dict(tp=2)), ("aux_pp2", dict(pp=2))):
+        aux = MegatronBackend(path, TrainConfig(**AUX_CFG, **parallel, micro_batch_samples=3), total_steps=1)
+        out[name] = _steps(aux, batch, 1)
+        parallel_state.destroy_model_parallel()
 
     train = TrainConfig(**CFG, ep=2, micro_batch_samples=3)
     ep2 = MegatronBackend(path, train, total_steps=3)
@@ -317,42 +316,124 @@ def test_ep2_logprobs_and_step_equal_tp1(one_rank, two_ranks):
         logp, want = two_ranks[rank]["ep2_logp"], out["tp1_rows7_logp"][rank::2]  # [rows, T of its own rows]
         torch.testing.assert_close(logp, want[:, :logp.shape[1]], atol=1e-5, rtol=0)
         assert torch.all(want[:, logp.shape[1]:] == 0)
-        assert _close(two_ranks[rank]["ep2"], out["tp1_rows7"], 1e-5), (two_ranks[rank]["ep2"], out["tp1_rows7"])
+        assert _close(two_ranks[rank]["ep2"], out["tp1_rows7"][:1], 1e-5), (two_ranks[rank]["ep2"], out["tp1_rows7"])
     assert two_ranks[0]["ep2_weights"].keys() == out["weights"].keys()
     for n, tensor in two_ranks[0]["ep2_weights"].items():  # every rank gathers every expert
         assert torch.equal(tensor, two_ranks[1]["ep2_weights"][n]), n
 
 
-def _tp2_ep2(rank, world, path):
-    from slime_hydra.train.megatron.backend import MegatronBackend
+EP_ON_FOUR_RANKS = {
+    # name: parallelism, each rank's (TP, PP, CP, DP, EP) ranks (megatron's order tp-cp-ep-dp-pp; its expert grid
+    # tp-ep-dp-pp folds CP into EP x expert-DP) and micro-batch count
+    "tp2_ep2": (dict(tp=2, ep=2), [(0, 0, 0, 0, 0), (1, 0, 0, 0, 0), (0, 0, 0, 1, 1), (1, 0, 0, 1, 1)], [2, 2, 2, 2]),
+    "ep2_pp2": (dict(pp=2, ep=2), [(0, 0, 0, 0, 0), (0, 0, 0, 1, 1), (0, 1, 0, 0, 0), (0, 1, 0, 1, 1)], [2, 2, 2, 2]),
+    "ep4_cp2": (dict(cp=2, ep=4), [(0, 0, 0, 0, 0), (0, 0, 1, 0, 1), (0, 0, 0, 1, 2), (0, 0, 1, 1, 3)], [2, 2, 2, 2]),
+    "ep2_cp2": (dict(cp=2, ep=2), [(0, 0, 0, 0, 0), (0, 0, 1, 0, 1), (0, 0, 0, 1, 0), (0, 0, 1, 1, 1)], [2, 2, 1, 1]),
+    "ep2_cp2_pp2": (dict(cp=2, pp=2, ep=2),
+                    [(0, 0, 0, 0, 0), (0, 0, 1, 0, 1), (0, 1, 0, 0, 0), (0, 1, 1, 0, 1)], [3, 3, 3, 3]),
+}
+"""TP2 x EP2: experts split over TP inside each EP rank. EP2 x PP2: each stage's EP group is its two DP ranks (4 and
+3 rows: 2 and 1 micro-batches of <= 3, both run 2). EP4 x CP2: one EP group over DP and CP, one expert a rank (2
+and 1 micro-batches, both run 2). EP2 x CP2: EP groups are CP pairs (each DP rank runs its own count), the
+expert-DP peers (ranks 0, 2 and 1, 3) shard the experts' Adam state (all four the dense parameters'), and EP rank
+1's checkpoint file is written by a CP rank 1. EP2 x CP2 x PP2: DP 1 (7 rows, 3 micro-batches), EP groups are each stage's CP pair."""
 
-    backend = MegatronBackend(path, TrainConfig(**CFG, tp=2, ep=2, micro_batch_samples=3), total_steps=1)
-    rows = toy_batch().select(EP2_ROWS[backend.dp_rank::backend.dp_size])
-    weights = {name: t.clone() for name, t in backend.iter_full_weights()}
-    return (backend.tp_rank, backend.ep_rank), backend.logprobs(rows)[0], _steps(backend, rows, 1), weights
+
+def _ep_on_four_ranks(rank, world, path, ckpt):
+    from megatron.core import parallel_state
+
+    from slime_hydra.train.megatron.backend import MegatronBackend
+    from slime_hydra.train.optim import optimizers
+
+    out = {}
+    for name, (parallel, _, _) in EP_ON_FOUR_RANKS.items():
+        train = TrainConfig(**CFG, **parallel, micro_batch_samples=3)
+        backend = MegatronBackend(path, train, total_steps=3)
+        rows = toy_batch().select(EP2_ROWS[backend.dp_rank::backend.dp_size])
+        r = out[name] = {}
+        r["ranks"] = (backend.tp_rank, backend.pp_rank, backend.cp_rank, backend.dp_rank, backend.ep_rank)
+        r["micro"] = len(backend._micro_batches(rows))
+        r["initial"] = {n: t.clone() for n, t in backend.iter_full_weights()}
+        r["logp"] = backend.logprobs(rows)[0]
+        r["steps"] = _steps(backend, rows, 1)
+        r["weights"] = {n: t.clone() for n, t in backend.iter_full_weights()}
+        r["adam"] = [(len(getattr(part, "optim", part).state), len(part.param_groups[0]["params"]))
+                     for part in optimizers(backend.optimizer)]  # [dense, experts]: (tensors with state here, all)
+        background = parallel.get("cp", 1) > 1  # written by the writer's thread while the next steps train
+        backend.save(ckpt / name, background=background)
+        r["steps"] += _steps(backend, rows, 2)
+        backend.save_finished(wait=True)
+        torch.distributed.barrier()  # every rank's files are on disk
+        r["files"] = sorted(f.name for f in (ckpt / name).glob("pp*.pt"))
+        resumed = MegatronBackend(path, train, total_steps=3)
+        resumed.load(ckpt / name)
+        r["resumed"] = _steps(resumed, rows, 2)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep_on_four_ranks(checkpoints, tmp_path_factory):
+    return run_ranks(4, _ep_on_four_ranks, checkpoints[TRAIN], tmp_path_factory.mktemp("moe_ep_four_ranks"))
 
 
 @pytest.mark.slow
-def test_tp2_ep2_on_four_ranks_equals_tp1(one_rank, checkpoints):
-    """Experts split over TP inside each EP rank: the same logprobs and step as TP1, every expert exported."""
+@pytest.mark.parametrize("name", EP_ON_FOUR_RANKS)
+def test_expert_parallelism_on_four_ranks_equals_tp1(one_rank, ep_on_four_ranks, checkpoints, name):
+    """Expert parallelism with TP, PP and CP on 4 ranks, one spawn (EP_ON_FOUR_RANKS): each rank's logprobs of its
+    rows equal TP1's within 1e-5; the first step's loss and grad norm within 1e-5 relative, three steps within
+    1e-4; iter_full_weights gives every rank every tensor, bit for bit the checkpoint's before training, after a step
+    the same on every rank and within 1e-3 of TP1's (a tenth of AdamW's first step of lr 1e-2, whose size is
+    g / (|g| + eps) x lr: the few elements with |g| near eps = 1e-8 move by float noise, measured up to 1.9e-4; a
+    misplaced expert would be off by ~0.2); the distributed optimizer shards the dense parameters' Adam state over
+    the DP x CP peers and the experts' over the expert-DP peers; a checkpoint (one file per stage, TP rank and EP
+    rank, and the dense optimizer state per stage and TP rank; with CP written in the background while the next two
+    steps train) resumes those two steps exactly."""
     out, _ = one_rank
-    results = run_ranks(4, _tp2_ep2, checkpoints[TRAIN])
-    assert [r[0] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]  # TP fastest, EP carved out of DP
-    for rank, (_, logp, steps, weights) in enumerate(results):
-        want = out["tp1_rows7_logp"][rank // 2::2]
-        torch.testing.assert_close(logp, want[:, :logp.shape[1]], atol=1e-5, rtol=0)
-        assert _close(steps, out["tp1_rows7"], 1e-5), (steps, out["tp1_rows7"])
-        assert set(weights) == set(out["weights"])
+    parallel, layout, micro = EP_ON_FOUR_RANKS[name]
+    dp = 4 // (parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("cp", 1))
+    results = [ranks[name] for ranks in ep_on_four_ranks]
+    original = AutoModelForCausalLM.from_pretrained(checkpoints[TRAIN], dtype=torch.float32).state_dict()
+    for rank, r in enumerate(results):
+        assert (r["ranks"], r["micro"]) == (layout[rank], micro[rank])
+        want = out["tp1_rows7_logp"][r["ranks"][3]::dp]  # [rows of this DP rank, T of all 7 rows]
+        torch.testing.assert_close(r["logp"], want[:, :r["logp"].shape[1]], atol=1e-5, rtol=0)
+        assert _close(r["steps"][:1], out["tp1_rows7"][:1], 1e-5), (name, rank, r["steps"], out["tp1_rows7"])
+        assert _close(r["steps"], out["tp1_rows7"], 1e-4), (name, rank, r["steps"], out["tp1_rows7"])
+        assert r["resumed"] == r["steps"][1:], (name, rank, r["resumed"], r["steps"])
+        assert set(r["initial"]) == set(original) == set(r["weights"])
+        for n, tensor in original.items():
+            assert torch.equal(r["initial"][n], tensor), (name, rank, n)
+            assert torch.equal(r["weights"][n], results[0]["weights"][n]), (name, rank, n)
+            torch.testing.assert_close(r["weights"][n], out["tp1_rows7_weights"][n], atol=1e-3, rtol=0)
+    tp, stages, ep = parallel.get("tp", 1), parallel.get("pp", 1), parallel["ep"]
+    assert results[0]["files"] == sorted([f"pp{s}_tp{t}_ep{e}.pt" for s in range(stages) for t in range(tp)
+                                          for e in range(ep)] + [f"pp{s}_tp{t}_dense_optim.pt"
+                                                                 for s in range(stages) for t in range(tp)])
+    # ZeRO: the dense parameters' Adam state split over the DP x CP peers (the ranks of one TP rank and stage: 2 or
+    # 4 here), the experts' over the expert-DP peers (those of one EP rank too: 2 at EP2 x CP2, else 1, plain
+    # AdamW): each peer holds a share, the shares all the part's tensors
+    peers = {0: 4 // (tp * stages), 1: 4 // (tp * stages * ep)}
+    for part, group_of in ((0, lambda at: at[:2]), (1, lambda at: (at[0], at[1], at[4]))):
+        groups = {}
+        for rank, r in enumerate(results):
+            groups.setdefault(group_of(layout[rank]), []).append(r["adam"][part])
+        for members in groups.values():
+            held, total = zip(*members)
+            assert len(members) == peers[part] and sum(held) == total[0], (name, part, members)
+            assert len(members) == 1 or 0 < max(held) < total[0], (name, part, members)
 
 
-def test_load_balancing_loss_is_an_option_and_tp2_equals_tp1(one_rank, two_ranks):
+def test_load_balancing_loss_is_an_option_and_tp2_and_pp2_equal_tp1(one_rank, two_ranks):
     """train.megatron.moe_aux_loss_coeff: megatron's switch loss per MoE layer adds to the gradients, not to the
-    reported policy loss; each micro-batch's weighted like its main loss, the same at TP2 as at TP1."""
+    reported policy loss; each micro-batch's weighted like its main loss, the same at TP2 and at PP2 (3 micro-batches
+    of unequal weight: stage 0 runs micro-batch 0's backward after micro-batch 1's forward) as at TP1."""
     out, _ = one_rank
     (aux_loss, aux_norm), (loss, norm) = out["aux_tp1"][0], out["tp1_micro3"][0]
     assert abs(aux_loss - loss) <= 1e-6 * abs(loss) and abs(aux_norm - norm) > 1e-4 * norm
     for rank in range(2):
-        assert _close(two_ranks[rank]["aux_tp2"], out["aux_tp1"], 1e-5), (two_ranks[rank]["aux_tp2"], out["aux_tp1"])
+        for name in ("aux_tp2", "aux_pp2"):
+            assert _close(two_ranks[rank][name], out["aux_tp1"], 1e-5), (name, two_ranks[rank][name], out["aux_tp1"])
 
 
 def test_lora_on_the_attention_of_a_moe_model_agrees_with_fsdp_and_at_ep2(one_rank, two_ranks):
@@ -371,9 +452,8 @@ def test_ep2_checkpoint_resume_reproduces_the_next_steps_exactly(two_ranks):
         assert two_ranks[rank]["ep2_resumed"] == two_ranks[rank]["ep2_next"]
 
 
-def test_unsupported_moe_settings_are_refused_with_the_fix(one_rank, two_ranks):
+def test_unsupported_moe_settings_are_refused_with_the_fix(one_rank):
     out, _ = one_rank
     ep, lora = out["refused"]
     assert "train.ep=2 must divide" in ep and "data-parallel size (1" in ep
     assert "train.lora.target_modules=" in lora and "routed experts" in lora and "[q_proj,k_proj,v_proj,o_proj]" in lora
-    assert "moe_aux_loss_coeff" in two_ranks[0]["aux_pp2"] and "train.pp=1" in two_ranks[0]["aux_pp2"]

@@ -25,7 +25,9 @@ Optimizer: megatron's DistributedOptimizer needs CUDA and megatron's own trainin
 optim.py's AdamW over this rank's parameter shards (fp32 masters; bf16 compute on GPU: see Precision below); with
 ``train.distributed_optimizer`` (default) and more than one data-parallel-with-CP peer, its state is sharded over
 those peers (ZeRO-1, torch's ZeroRedundancyOptimizer: each parameter's Adam state lives on one peer, which
-updates it and broadcasts it), megatron's distributed optimizer in effect, on CPU and GPU alike.
+updates it and broadcasts it), megatron's distributed optimizer in effect, on CPU and GPU alike. With ep > 1 a
+rank's experts are a second part (optim.Partitioned), sharded over the expert-data-parallel peers (the ranks
+holding the same experts), as megatron's distributed optimizer shards expert parameters over its expert-DP group.
 
 Logprobs: the output layer stays vocab-parallel; vocab_parallel.py turns this rank's logit slice into logprobs and
 entropy with all-reduces of max, sum-exp and the target logit over TP.
@@ -62,22 +64,27 @@ train/config.megatron_lora_problems (config validation refuses them first). PPO'
 
 Mixture of experts (Qwen3-MoE, GLM-4.5, DeepSeek-V3; moe.py): megatron's MoELayer in the sparse layers, experts
 TP-split like dense MLPs. DeepSeek-V3's multi-latent attention: mla.py (LoRA on it is refused).
-Expert parallelism (train.ep > 1) splits each layer's experts over ep data-parallel ranks (EP rank k holds experts
-[k E / ep, (k + 1) E / ep)); the dispatcher all-gathers the EP group's tokens, and EP peers run the same number of
-micro-batches (``_micro_batches`` adds empty ones to the ranks with fewer). Expert gradients are reduced over the
-expert-data-parallel group, the grad norm sums each EP rank's experts once, the ZeRO optimizer shards over the
-expert-data-parallel peers (the ranks holding the same experts), checkpoints hold one file per (PP stage, TP rank,
-EP rank), and weight export gathers every expert on every rank. Built and tested with TP and DP; ep > 1 with PP or
-CP is refused (train/config.megatron_moe_problems). The router's load-balancing loss (megatron's switch loss per MoE layer
-and micro-batch) is off unless ``train.megatron.moe_aux_loss_coeff`` > 0; each micro-batch's is weighted like its
-main loss (units(micro) / units(global) * dp, through megatron's MoEAuxLossAutoScaler), so pp > 1 is refused with
-it; train=fsdp trains without one, so the two are compared with it off.
+Expert parallelism (train.ep > 1) splits each layer's experts over ep ranks of a pipeline stage that are DP or CP
+peers (EP rank k holds experts [k E / ep, (k + 1) E / ep); megatron's expert grid "tp-ep-dp-pp" folds the stage's
+cp x dp ranks into EP x expert-DP, so ep divides cp x dp); the dispatcher all-gathers the EP group's tokens (CP
+peers' are other chunks of the same sequences), and EP peers run the same number of micro-batches
+(``_micro_batches`` adds empty ones to the ranks with fewer), which with pp > 1 puts each MoE layer's collectives
+at the same place of every peer's 1F1B order (it depends only on the stage and the count). Expert gradients are
+reduced over the expert-data-parallel group, the grad norm sums each EP rank's experts once, the ZeRO optimizer
+shards the experts' state over the expert-data-parallel peers and the rest over DP x CP, checkpoints hold one file
+per (PP stage, TP rank, EP rank) and the dense optimizer state in one per (PP stage, TP rank), and weight export gathers every expert of every stage on every rank. Built and
+tested with TP, DP, PP and CP (train/config.megatron_moe_problems refuses an ep not dividing E and cp x dp). The
+router's load-balancing loss (megatron's switch loss per MoE layer and micro-batch) is off unless
+``train.megatron.moe_aux_loss_coeff`` > 0; each micro-batch's is weighted like its main loss (units(micro) /
+units(global) * dp, through megatron's MoEAuxLossAutoScaler, whose scale each MoE layer's backward reads: every
+stage sets it right before each micro-batch's backward, which with pp > 1 follows later forwards); train=fsdp
+trains without one, so the two are compared with it off.
 
 Routing replay (algo.routing_replay): a batch with ``routed_experts`` routes every MoE layer's tokens to the experts
 the engine chose (moe.ReplayedChoice), in every forward; PPO's critic routes itself.
 
-Not supported: expert parallelism with PP or CP, LoRA on routed experts (on a MoE model's attention it works); ring attention or packed (THD) sequences under
-CP.
+Not supported: LoRA on routed experts (on a MoE model's attention it works); ring attention or packed (THD)
+sequences under CP.
 """
 
 from contextlib import nullcontext
@@ -87,7 +94,6 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from slime_hydra.routed_experts import NO_EXPERT
@@ -108,7 +114,7 @@ from slime_hydra.train.megatron.pipeline import Pipeline
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
 from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
-from slime_hydra.train.optim import build_optimizer
+from slime_hydra.train.optim import build_optimizer, is_sharded
 
 
 class MegatronBackend(TrainBackend):
@@ -201,11 +207,13 @@ class MegatronBackend(TrainBackend):
             self.model.output_layer.register_forward_pre_hook(self._head_input)
             self.model.output_layer.register_forward_hook(self._head_output)
         peak = train.critic_lr if role == "critic" else train.lr
-        self.optimizer, self.scheduler = build_optimizer(
+        experts = [self.params[p.megatron] for p in table if p.expert is not None and p.megatron in self.params]
+        self.optimizer, self.scheduler = build_optimizer(  # ZeRO: experts over their expert-DP peers (ep > 1)
             self.model.parameters(), train, total_steps, peak,
-            shard_group=(self.expert_dp_group if train.ep > 1 else self.dp_cp_group) if train.distributed_optimizer
-            else None)
-        self.zero = isinstance(self.optimizer, ZeroRedundancyOptimizer)
+            shard_group=self.dp_cp_group if train.distributed_optimizer else None,
+            part_groups=[(experts, self.expert_dp_group if train.distributed_optimizer else None)]
+            if train.ep > 1 else None)
+        self.zero = is_sharded(self.optimizer)
         self.step = 0
         self._ref_shards = host_copy(self._reference_shards()) if keep_reference else None
 
@@ -243,9 +251,10 @@ class MegatronBackend(TrainBackend):
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
         """Row groups. A token budget counts whole sequences, which the cp ranks share: cp x the budget per GPU.
-        With ep > 1 the EP peers (other DP ranks) run every MoE layer's collectives together, so each runs as many
-        micro-batches as the one with the most: the extra ones are empty groups ([]), run on row 0 with their
-        outputs dropped and a zero loss."""
+        With ep > 1 the EP peers (other DP or CP ranks of the stage) run every MoE layer's collectives together,
+        so each runs as many micro-batches as the one with the most: the extra ones are empty groups ([]), run on
+        row 0 with their outputs dropped and a zero loss. Every stage of a replica gets the same count (its EP
+        group holds the same DP ranks)."""
         budget = self.train_cfg.max_tokens_per_gpu
         groups = micro_batches(batch, self.train_cfg.micro_batch_samples,
                                None if budget is None else budget * self.cp_size)
@@ -376,11 +385,12 @@ class MegatronBackend(TrainBackend):
                    for h, idx in zip(hosts, groups)]
         step_metrics = StepMetrics()
 
-        def loss_of(k, mb, out):
-            if self.arch.moe_aux_loss_coeff > 0:  # weighted as this micro-batch's loss (pp = 1: its backward is next)
-                from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+        def aux_loss_scale(k):  # megatron reads it in each MoE layer's backward: this micro-batch's loss weight
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-                MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(weights[k] * self.dp_size, device=self.device))
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(weights[k] * self.dp_size, device=self.device))
+
+        def loss_of(k, mb, out):
             if not groups[k]:  # an EP peer's extra micro-batch: its backward runs the collectives, adds nothing
                 return out.float().sum() * 0.0
             logp, entropy = self._head(out, mb, temperature, with_entropy)
@@ -389,7 +399,8 @@ class MegatronBackend(TrainBackend):
             return loss * weights[k] * self.dp_size
 
         with self._computing():
-            self.pipeline.run(hosts, loss_of, backward=True)
+            self.pipeline.run(hosts, loss_of, backward=True,
+                              before_backward=aux_loss_scale if self.arch.moe_aux_loss_coeff > 0 else None)
         self.gradients.reduce()
         grad_norm = self.gradients.clip(self.train_cfg.clip_grad)
         lr = self.scheduler.get_last_lr()[0]
@@ -409,8 +420,9 @@ class MegatronBackend(TrainBackend):
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) for every HF state-dict entry, gathered over TP and broadcast over PP one at a
-        time; every rank gets every tensor. Collective: all ranks of this replica (every DP replica yields the same
+        """(HF name, full tensor) for every HF state-dict entry, gathered over TP (an expert on its EP rank, then
+        broadcast over the stage's EP group) and broadcast over PP one at a time; every rank gets every tensor.
+        Collective: all ranks of this replica, and with ep > 1 every rank (every DP replica yields the same
         tensors)."""
         weights = iter_hf_weights(self.model, self.arch, self.tp_group, self.pp_group if self.pp_size > 1 else None,
                                   head=self.head, ep_group=self.ep_group)

@@ -3,9 +3,11 @@
 Per (PP stage, TP rank; and EP rank when ep > 1), the trainable parameters' shards (with train.lora: the adapters
 and trained biases; the frozen base reloads from the model path) and the optimizer's (written by the slot's rank
 with DP and CP rank 0: CP and DP peers hold identical shards; with ep > 1 by its rank of expert-data-parallel rank 0,
-one file per EP rank, as they differ in their experts), scheduler and step, and every rank's RNG state; resume needs
-the same world size, tp, pp and ep (cp and dp may be traded). To change tp, pp or ep, export_hf and start a new run
-from the export (optimizer state is not carried).
+one file per EP rank, as they differ in their experts; EP ranks are DP and CP ranks, so that writer may have CP
+rank 1; with ep > 1 the optimizer state of the experts only, that of the dense parameters, which the ZeRO optimizer
+shards over all DP x CP peers, in one file per (PP stage, TP rank) written by DP x CP rank 0), scheduler and step,
+and every rank's RNG state; resume needs the same world size, tp, pp and ep (cp and dp may be traded). To change
+tp, pp or ep, export_hf and start a new run from the export (optimizer state is not carried).
 """
 
 import copy
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from slime_hydra.checkpoint import write_json
 from slime_hydra.train.backend import load_rank_file, rng_state, set_rng_state, write_rank_file
+from slime_hydra.train.optim import consolidate, optimizers
 from slime_hydra.train.reference import host_copy, pinned
 
 
@@ -32,24 +35,31 @@ def save(backend, ckpt_dir: str | Path, background: bool = False) -> None:
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     rank, slot_path, ref = dist.get_rank(), ckpt_dir / _slot_file(backend), backend._ref_shards
-    if backend.zero:  # every peer's share of the Adam state, gathered on the peer that writes (collective)
-        backend.optimizer.consolidate_state_dict(to=0)
-    writes_slot = backend.cp_rank == 0 and (  # CP and DP peers hold the same shards; EP peers differ in experts
-        backend.dp_rank == 0 if backend.ep_size == 1 else dist.get_rank(backend.expert_dp_group) == 0)
+    consolidate(backend.optimizer)  # every peer's share of the Adam state, gathered on the peer that writes
+    # CP and DP peers hold the same shards; EP peers (DP and CP ranks of a stage) differ in their experts: one
+    # writer per expert-data-parallel group, i.e. per (PP stage, TP rank, EP rank)
+    writes_slot = (backend.cp_rank == 0 and backend.dp_rank == 0 if backend.ep_size == 1
+                   else dist.get_rank(backend.expert_dp_group) == 0)
+    writes_dense = backend.ep_size > 1 and dist.get_rank(backend.dp_cp_group) == 0
+    parts = optimizers(backend.optimizer)  # ep > 1: [dense parameters, this rank's experts (if it trains any)]
     slot = ({"model": {n: p.detach() for n, p in backend._local_shards().items()},
-             "optim": backend.optimizer.state_dict()} if writes_slot else {})
+             "optim": (backend.optimizer.state_dict() if backend.ep_size == 1
+                       else parts[1].state_dict() if len(parts) > 1 else None)} if writes_slot else {})
+    dense = {"optim": parts[0].state_dict()} if writes_dense else {}
     local = {"rng": rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
     meta = copy.deepcopy({"step": backend.step, "scheduler": backend.scheduler.state_dict(),
                           "world": dist.get_world_size(), "tp": backend.tp_size, "pp": backend.pp_size,
                           "cp": backend.cp_size, "ep": backend.ep_size})
     if background:
-        slot, local = backend.writer.stage((slot, local))
+        slot, dense, local = backend.writer.stage((slot, dense, local))
     elif writes_slot:
         slot["model"] = host_copy(slot["model"])
 
     def write() -> None:
         if writes_slot:
             write_rank_file({**slot, "ref": ref}, slot_path)
+        if writes_dense:
+            write_rank_file(dense, ckpt_dir / _dense_file(backend))
         write_rank_file(local, ckpt_dir / f"rank{rank}.pt")
         if rank == 0:
             write_json(ckpt_dir / "trainer.json", meta)
@@ -80,13 +90,22 @@ def load(backend, ckpt_dir: str | Path) -> None:
     with torch.no_grad():
         for name, tensor in shards["model"].items():
             live[name].copy_(tensor)
-    backend.optimizer.load_state_dict(shards["optim"])
+    if backend.ep_size == 1:
+        backend.optimizer.load_state_dict(shards["optim"])
+    else:  # Partitioned: the dense part from the stage's shared file, the experts' from this EP rank's
+        dense = load_rank_file(ckpt_dir / _dense_file(backend), map_location="cpu")["optim"]
+        backend.optimizer.load_state_dict({"parts": [dense] + ([] if shards["optim"] is None else [shards["optim"]])})
     backend._ref_shards = pinned(shards["ref"])
     backend.scheduler.load_state_dict(meta["scheduler"])
     backend.step = meta["step"]
     local = load_rank_file(ckpt_dir / f"rank{dist.get_rank()}.pt")
     set_rng_state(local["rng"])
     tensor_parallel.get_cuda_rng_tracker().set_states(local["tracker"])
+
+
+def _dense_file(backend) -> str:
+    """ep > 1: the optimizer state of this stage's (and TP rank's) dense parameters, which every EP rank holds."""
+    return f"pp{backend.pp_rank}_tp{backend.tp_rank}_dense_optim.pt"
 
 
 def _slot_file(backend) -> str:

@@ -57,11 +57,11 @@ Multi-latent attention (DeepSeek-V3; mla.py), in place of linear_qkv:
 The table numbers experts globally, as it numbers layers; under expert parallelism EP rank k holds experts
 [k E / ep, (k + 1) E / ep) as its local experts 0 .. E / ep - 1 (megatron's split), ``stage_parameters`` renames
 them by the layer's ``local_expert_indices``, so a rank loads only its own experts. Export gathers an expert over
-TP on the EP rank holding it and broadcasts it over the EP group. Experts are TP-split like a dense MLP (the
-gate_up and row rules). transformers (5.x) holds a layer's experts as two stacked tensors,
-``experts.gate_up_proj`` [E, 2F, H] (gate rows, then up rows) and ``experts.down_proj`` [E, H, F];
-``transformers_names`` turns the checkpoint's per-expert tensors into those (what train=fsdp's weights are named,
-and what export_hf's save_pretrained turns back into per-expert tensors on disk).
+TP on the EP rank holding it and broadcasts it over its stage's EP group (then over PP, like any tensor). Experts
+are TP-split like a dense MLP (the gate_up and row rules). transformers (5.x) holds a layer's experts as two
+stacked tensors, ``experts.gate_up_proj`` [E, 2F, H] (gate rows, then up rows) and ``experts.down_proj``
+[E, H, F]; ``transformers_names`` turns the checkpoint's per-expert tensors into those (what train=fsdp's weights
+are named, and what export_hf's save_pretrained turns back into per-expert tensors on disk).
 """
 
 import json
@@ -360,37 +360,56 @@ def load_hf_weights(model, path: str | Path, arch: Arch, head: str = "lm") -> No
 def iter_hf_weights(model, arch: Arch, tp_group, pp_group=None, head: str = "lm", ep_group=None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF checkpoint name, full tensor) of every HF checkpoint entry, in HF order, one megatron parameter at a
-    time: the stage holding it all-gathers its shards over TP and unshards them, then (pp > 1) broadcasts the HF
-    tensors over the PP group; an MoE expert is gathered on the EP rank holding it and broadcast over ``ep_group``
-    (ep > 1; not combined with pp > 1). Collective over the groups: every rank of them must iterate to the end;
-    every rank gets every tensor."""
+    time. A parameter's owner is the stage holding its layer (pp > 1) and, for a routed expert e under expert
+    parallelism, EP rank e // (E / ep) of that stage: the owner all-gathers its shards over TP and unshards them;
+    an expert then goes to the rest of the stage's EP group (broadcast over ``ep_group``), and with pp > 1 every
+    stage's PP peer of the same (TP, CP, DP) slot broadcasts the HF tensors over ``pp_group``. Collective over the
+    groups: every rank of them must iterate to the end; every rank gets every tensor."""
     params = stage_tensors(model)
     size = dist.get_world_size(tp_group)
     table = param_map(arch, _uses_te(model), for_export=True, head=head)
     stages = 1 if pp_group is None else dist.get_world_size(pp_group)
     experts = 1 if ep_group is None else dist.get_world_size(ep_group)
-    if experts > 1 and stages > 1:
-        raise ValueError("exporting weights with both expert and pipeline parallelism is not supported")
-    if experts > 1:
-        yield from _iter_expert_parallel(params, table, arch, tp_group, ep_group)
-        return
+    per_rank = arch.num_experts // experts if arch.num_experts else 0
+    ep_me = 0 if experts == 1 else dist.get_rank(ep_group)
+    # which stage holds what, and the HF shapes the other stages allocate to receive. PP peers share an EP rank,
+    # so a stage is known to hold a layer's experts by the layer's router (``_held_as``)
     held = [{p.megatron: [t.shape for t in unshard(p, [params[p.megatron].to("meta")] * size, arch)]
              for p in table if p.megatron in params}]
-    if stages > 1:  # which stage holds what, and the HF shapes the others allocate to receive
+    if stages > 1:
         mine, held = held[0], [None] * stages
         dist.all_gather_object(held, mine, group=pp_group)
     me = 0 if stages == 1 else dist.get_rank(pp_group)
+    device = next(iter(params.values())).device
     for p in table:
-        owner = next(s for s in range(stages) if p.megatron in held[s])
-        if owner == me:
+        stage = next(s for s in range(stages) if _held_as(p) in held[s])
+        owner = ep_me if p.expert is None or experts == 1 else p.expert // per_rank
+        if (stage, owner) == (me, ep_me):
             tensors = _gathered(p, params[p.megatron].detach(), arch, tp_group)
         else:
-            device = next(iter(params.values())).device
-            tensors = [torch.empty(shape, device=device) for shape in held[owner][p.megatron]]
+            tensors = [torch.empty(shape, device=device) for shape in _hf_shapes(p, arch, held[stage])]
+        if stage == me and p.expert is not None and experts > 1:
+            for t in tensors:
+                dist.broadcast(t, src=dist.get_global_rank(ep_group, owner), group=ep_group)
         if stages > 1:
             for t in tensors:
-                dist.broadcast(t, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+                dist.broadcast(t, src=dist.get_global_rank(pp_group, stage), group=pp_group)
         yield from zip(p.hf, tensors)
+
+
+def _held_as(p: Param) -> str:
+    """The megatron name by which a stage's holding of ``p`` is known: a routed expert's layer router (the stage's
+    ranks hold only their EP rank's experts), any other parameter's own name."""
+    return p.megatron if p.expert is None else p.megatron.split(".mlp.")[0] + ".mlp.router.weight"
+
+
+def _hf_shapes(p: Param, arch: Arch, held: dict) -> list[tuple[int, ...]]:
+    """The full HF shapes of ``p``'s tensors: a routed expert's gate / up [F, H] and down [H, F]; any other from
+    the holding stage's ``held`` table."""
+    if p.expert is None:
+        return held[p.megatron]
+    f, h = arch.moe_ffn_hidden_size, arch.hidden_size
+    return [(f, h) if p.kind == "gate_up" else (h, f) for _ in p.hf]
 
 
 def _gathered(p: Param, local: torch.Tensor, arch: Arch, tp_group) -> list[torch.Tensor]:
@@ -402,25 +421,6 @@ def _gathered(p: Param, local: torch.Tensor, arch: Arch, tp_group) -> list[torch
         shards = [torch.empty_like(local) for _ in range(size)]
         dist.all_gather(shards, local.contiguous(), group=tp_group)
     return [t.contiguous() for t in unshard(p, shards, arch)]
-
-
-def _iter_expert_parallel(params, table: list[Param], arch: Arch, tp_group, ep_group):
-    """iter_hf_weights at ep > 1 (one pipeline stage): every rank holds every non-expert parameter and its own
-    experts; expert e is gathered over TP on EP rank e // (E / ep) and broadcast over the EP group."""
-    per_rank = arch.num_experts // dist.get_world_size(ep_group)
-    me = dist.get_rank(ep_group)
-    device = next(iter(params.values())).device
-    for p in table:
-        owner = me if p.expert is None else p.expert // per_rank
-        if owner == me:
-            tensors = _gathered(p, params[p.megatron].detach(), arch, tp_group)
-        else:  # HF shapes: gate/up [F, H], down [H, F]
-            f, h = arch.moe_ffn_hidden_size, arch.hidden_size
-            tensors = [torch.empty((f, h) if p.kind == "gate_up" else (h, f), device=device) for _ in p.hf]
-        if p.expert is not None:
-            for t in tensors:
-                dist.broadcast(t, src=dist.get_global_rank(ep_group, owner), group=ep_group)
-        yield from zip(p.hf, tensors)
 
 
 class _SafetensorsReader:

@@ -9,8 +9,13 @@ gradients are whole on every rank) are summed over TP, a tied embedding's two co
 every gradient is summed over CP and averaged over DP in flat buckets (one all-reduce over megatron's
 data-parallel-with-CP group, divided by dp). Under expert parallelism (ep > 1) an expert's gradient already covers
 the tokens of its whole EP group (the dispatcher gathered them, and its backward scattered their gradients back), so
-experts are summed over the expert-data-parallel group only (the DP ranks holding the same experts), then divided
-by dp as well; the router and every other parameter go the usual way.
+experts are summed over the expert-data-parallel group only (the stage's DP and CP ranks holding the same experts:
+one per EP group, together every token of the stage's dp x cp ranks), then divided by dp as well:
+
+    g_e = (1 / dp) sum_{EP groups G} sum_{ranks r in G} d loss_r / d W_e  =  the dense rule's sum over DP x CP / dp
+
+the router and every other parameter go the usual way. Each pipeline stage reduces its own parameters (megatron
+forms every DP, EP and expert-DP group inside one stage).
 
 Grad norm: sum of squares of the TP-split parameters all-reduced over TP, plus the replicated ones (norms) once,
 summed over the PP stages (the tied embedding's copy counted once; CP peers hold the same reduced gradients and

@@ -310,9 +310,11 @@ def transformer_engine_available() -> bool:
 
 def init_parallel(tp: int, pp: int = 1, cp: int = 1, ep: int = 1, seed: int = 0) -> None:
     """Megatron's process groups over the already-initialised default group (its rank order "tp-cp-ep-dp-pp": TP
-    fastest, then CP, DP, PP slowest; the EP group is carved out of DP: ranks tp_rank + tp * (k + ep * j) for
-    k < ep share a data-parallel group's experts), and its RNG tracker. On CPU the tracker is the inference one (no
-    CUDA RNG states; valid because dropout is 0). Experts are split over TP like dense MLPs (expert TP = tp)."""
+    fastest, then CP, DP, PP slowest), and its RNG tracker. The experts' grid is "tp-ep-dp-pp" without CP: in stage
+    s (ranks from o = s * tp * cp * dp), TP rank t with DP x CP index i = cp_rank + cp * dp_rank is EP rank i mod ep
+    of the EP group {o + t + tp * (k + ep * (i // ep)) : k < ep}, so EP peers are DP or CP peers of one stage, and
+    its expert-DP group holds the stage's ranks of the same t and EP rank. On CPU the tracker is the inference one
+    (no CUDA RNG states; valid because dropout is 0). Experts are split over TP like dense MLPs (expert TP = tp)."""
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():

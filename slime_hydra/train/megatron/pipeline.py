@@ -37,11 +37,13 @@ class Pipeline:
         self.pp_rank, self.pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
 
-    def run(self, mbs: list[TrainBatch], on_output: Callable, backward: bool) -> None:
+    def run(self, mbs: list[TrainBatch], on_output: Callable, backward: bool,
+            before_backward: Callable[[int], None] | None = None) -> None:
         """Every micro-batch through every stage in 1F1B order (module docstring); the last stage calls
         ``on_output(k, micro_batch, output)``, which returns the scaled loss to backpropagate when ``backward``
-        (``mbs``: host batches, each moved to the device here). Collective over the PP group (each rank talks to
-        its neighbours of the same TP slot)."""
+        (``mbs``: host batches, each moved to the device here); every stage calls ``before_backward(k)`` (if given)
+        right before micro-batch k's backward, which on stages but the last comes after later forwards. Collective
+        over the PP group (each rank talks to its neighbours of the same TP slot)."""
         from megatron.core import parallel_state
 
         n = len(mbs)
@@ -63,6 +65,8 @@ class Pipeline:
             inputs[k] = hidden if backward else None
 
         def backward_step(k: int) -> None:
+            if before_backward is not None:
+                before_backward(k)
             if self.last_stage:
                 outputs[k].backward()
             else:

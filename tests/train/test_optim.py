@@ -1,0 +1,64 @@
+"""train/optim.py: the learning-rate schedule and the Partitioned optimizer (expert parallelism's two ZeRO parts)
+against one AdamW over the same parameters, in one process (parts unsharded: their ZeRO form runs in
+tests/train/test_megatron_moe.py's four-rank cases)."""
+
+import copy
+
+import torch
+
+from slime_hydra.train.config import TrainConfig
+from slime_hydra.train.optim import Partitioned, build_optimizer, local_states, lr_at, optimizers
+
+TRAIN = TrainConfig(lr=1e-2, lr_warmup_steps=2, lr_decay_style="cosine", min_lr=1e-3, weight_decay=0.1)
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((4, 3), (3,), (5, 2), (2,))]
+
+
+def _steps(params, optimizer, scheduler, n: int, seed: int) -> list[float]:
+    """n steps on fixed random gradients; the learning rate each used."""
+    g, lrs = torch.Generator().manual_seed(seed), []
+    for _ in range(n):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return lrs
+
+
+def test_partitioned_steps_and_resumes_like_one_adamw():
+    """Two parts (the second: the "experts" p[2], p[3]) under warmup + cosine decay take the same steps as one AdamW
+    bit for bit, each part holding state for its own parameters only; a state dict taken after 3 of 6 steps (the
+    learning rate already moved on) loads into a fresh optimizer that takes the last 3 steps alike."""
+    whole, split = _params(), _params()
+    one, one_schedule = build_optimizer(whole, TRAIN, total_steps=6)
+    two, two_schedule = build_optimizer(split, TRAIN, total_steps=6, part_groups=[(split[2:], None)])
+    assert isinstance(two, Partitioned) and [len(part.param_groups[0]["params"]) for part in two.parts] == [2, 2]
+    lrs = _steps(whole, one, one_schedule, 3, seed=1)
+    assert _steps(split, two, two_schedule, 3, seed=1) == lrs == [lr_at(s, TRAIN, 6) for s in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(whole, split))
+    assert [len(part.state) for part in two.parts] == [2, 2] and len(local_states(two)) == 4
+
+    saved, saved_schedule, saved_params = copy.deepcopy(two.state_dict()), two_schedule.state_dict(), \
+        [p.detach().clone() for p in split]
+    _steps(whole, one, one_schedule, 3, seed=2)
+    _steps(split, two, two_schedule, 3, seed=2)
+    resumed = [torch.nn.Parameter(p.clone()) for p in saved_params]
+    again, again_schedule = build_optimizer(resumed, TRAIN, total_steps=6, part_groups=[(resumed[2:], None)])
+    again.load_state_dict(saved)
+    again_schedule.load_state_dict(saved_schedule)
+    assert _steps(resumed, again, again_schedule, 3, seed=2) == [lr_at(s, TRAIN, 6) for s in range(3, 6)]
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed)) and all(torch.equal(a, b) for a, b in zip(whole, split))
+
+
+def test_a_set_without_trainable_parameters_adds_no_part():
+    """train.lora freezes the experts: the Partitioned optimizer keeps one part, the trainable rest."""
+    params = _params()
+    for p in params[2:]:
+        p.requires_grad_(False)
+    optimizer, _ = build_optimizer(params, TRAIN, total_steps=6, part_groups=[(params[2:], None)])
+    assert len(optimizers(optimizer)) == 1 and optimizer.parts[0].param_groups[0]["params"] == params[:2]
