@@ -245,6 +245,13 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     if a.routing_replay and not cfg.model.is_moe:
         yield Problem(("algo.routing_replay", "model.num_experts"), f"routing replay replays the experts a MoE "
                       f"model's routers chose; model={cfg.model.name} is dense", "set algo.routing_replay=false")
+    t = cfg.train
+    if a.routing_replay and t.backend == "megatron" and t.pp > 1 and t.gradient_checkpointing:
+        yield Problem(("algo.routing_replay", "train.gradient_checkpointing", "train.pp"), "megatron's activation "
+                      "recompute routes again in the backward, and with train.pp > 1 a stage's backward of micro-batch "
+                      "k runs after later micro-batches' forwards set the routers' replayed experts (not built: "
+                      "setting them back before each backward)", "set train.gradient_checkpointing=false, or "
+                      "train.pp=1")
     if a.routing_replay and cfg.rollout.backend == "sglang":
         yield Problem(("algo.routing_replay", "rollout.backend"), "sglang-router 0.3.2 drops return_routed_experts "
                       "from the /generate bodies it forwards, so SGLang servers behind it would report no routed "

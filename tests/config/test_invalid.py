@@ -32,6 +32,9 @@ INVALID = [
     (("algo.routing_replay=true",), "algo.routing_replay", "model=tiny is dense"),
     (("model=qwen3_30b_a3b", "model.path=/ckpt/qwen3_30b_a3b", *GPU8, "rollout=sglang", "algo.routing_replay=true"),
      "rollout.backend", "drops return_routed_experts"),
+    (("model=tiny_moe", "train=megatron", "train.num_gpus=2", "train.pp=2", "train.micro_batch_samples=1",
+      "train.gradient_checkpointing=true", "algo.routing_replay=true"), "train.gradient_checkpointing",
+     "routes again in the backward"),
     # the grouped router (glm4_moe, deepseek_v3) and its megatron mapping
     ((*AIR, "model.moe_groups=3"), "model.moe_groups", "does not split num_experts=128"),
     ((*AIR, "model.moe_groups=128"), "model.moe_groups", "two best experts"),
