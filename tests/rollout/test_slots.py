@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from slime_hydra.rollout.engines.embedded.scheduler import Engine
+from slime_hydra.rollout.engines.embedded.sampling import fused_draw
 from slime_hydra.rollout.engines.embedded.slots import MIN_CAPACITY, SlotKV, slot_attention
 
 from .helpers import build_model, load, reference_greedy, reference_logprobs
@@ -21,12 +22,15 @@ def model_dir(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("slots") / "m", seed=0)
 
 
-def test_queued_growing_and_compacted_rows_match_plain_forwards(model_dir):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_queued_growing_and_compacted_rows_match_plain_forwards(model_dir, compiled):
+    """Also with the decoder layers torch.compiled for decode (the default on CUDA), through batch sizes 1..4 (a
+    static and a dynamic-batch compile) and the attention window growing from 128 to 256 columns."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n, _ in CASES]
 
     async def run():
-        engine = Engine(str(model_dir), max_batch_size=4)
+        engine = Engine(str(model_dir), max_batch_size=4, torch_compile=compiled)
         await engine.start()
         try:
             reqs = [engine.make_request(p, {"temperature": 0, "max_new_tokens": m, "ignore_eos": True}, None, True,
@@ -71,3 +75,16 @@ def test_unsupported_attention_variants_are_refused():
 
     with pytest.raises(NotImplementedError, match="sliding_window.*rollout=sglang"):
         slot_attention(Layer(), q, k, v, None, sliding_window=4)
+
+
+def test_fused_draw_samples_the_tempered_softmax():
+    """The compiled plain sampler (Gumbel-max) draws from softmax(logits / T) and returns log_softmax(logits / T) at
+    the drawn tokens: 20,000 draws of a 5-token distribution land within 0.015 of its probabilities."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).to(torch.bfloat16).repeat(20_000, 1)
+    temperature = torch.full((20_000,), 0.7)
+    tokens, chosen = torch.compile(fused_draw)(logits, temperature)
+    expected = torch.log_softmax(logits.float() / 0.7, dim=-1)
+    assert torch.allclose(chosen, expected.gather(1, tokens[:, None])[:, 0], atol=1e-6)
+    freq = torch.bincount(tokens, minlength=5).float() / 20_000
+    assert (freq - expected[0].exp()).abs().max() < 0.015

@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-batch-size", type=int, default=64, help="rows decoded together")
     parser.add_argument("--disable-cuda-graph", action="store_true",
                         help="on CUDA, run the decode step eagerly instead of replaying CUDA graphs")
+    parser.add_argument("--torch-compile", default="auto", choices=["auto", "on", "off"],
+                        help="torch.compile the decoder layers' decode step and the sampler (auto: on CUDA for "
+                             "models without MoE layers)")
     parser.add_argument("--context-length", type=int, default=None,
                         help="prompt + response limit in tokens (default: max_position_embeddings)")
     parser.add_argument("--weight-version", default="0", help="initial weight_version string")
@@ -81,6 +84,7 @@ def main(argv=None) -> None:
     started = time.monotonic()
     engine = Engine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                     cuda_graph=not args.disable_cuda_graph,
+                    torch_compile={"auto": None, "on": True, "off": False}[args.torch_compile],
                     context_length=args.context_length, tokenizer_path=args.tokenizer_path,
                     weight_version=args.weight_version, host=args.host, port=args.port, lora=args.lora_config,
                     return_routed_experts=args.enable_return_routed_experts)

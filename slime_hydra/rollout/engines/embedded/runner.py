@@ -19,7 +19,7 @@ import torch
 
 from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError
 from slime_hydra.rollout.engines.embedded.routing import RoutingCapture
-from slime_hydra.rollout.engines.embedded.sampling import sample, score_prompt
+from slime_hydra.rollout.engines.embedded.sampling import fused_draw, sample, score_prompt
 from slime_hydra.rollout.engines.embedded.slots import DecodeGraphs, GraphCaptureError, SlotKV, register_attention
 from slime_hydra.weight_transport import adapter_key, destroy_weight_update_group, split_adapter_key
 
@@ -44,8 +44,9 @@ class ModelRunner:
 
     def __init__(self, model_path: str, device: str, dtype: str, max_batch_size: int, context_length: Optional[int],
                  tokenizer_path: Optional[str], weight_version: str, cuda_graph: bool, lora: Optional[dict] = None,
-                 return_routed_experts: bool = False):
-        """lora: a PEFT LoRA adapter config (adapter_config.json's dict): its adapters are added to the model (B = 0,
+                 return_routed_experts: bool = False, torch_compile: Optional[bool] = None):
+        """torch_compile: compile the decoder layers' decode step and the plain sampler (``_compile_decode``;
+        None: on CUDA for models without MoE layers). lora: a PEFT LoRA adapter config (adapter_config.json's dict): its adapters are added to the model (B = 0,
         so the function is still the base model's until an update sets them) and kept in fp32, as the trainer's
         PEFT model keeps them: each adapted linear computes W x + (lora_alpha / r) B A x on the upcast input.
         return_routed_experts: record the experts every MoE layer chose for every token run (routing.py)."""
@@ -102,14 +103,36 @@ class ModelRunner:
 
         self.running: list[Request] = []
         """The running batch: request b owns KV slot b."""
+        self._in_flight: Optional[tuple[list[Request], Any]] = None
+        """The decode step launched but not taken in yet: its rows (the batch as it was) and its ``Drawn``."""
         self.kv = SlotKV(self.config, max_batch_size, self.dtype, self.device, self.context_length)
         self.routing = RoutingCapture(self._body, max_batch_size, self.device) if return_routed_experts else None
         """Each MoE layer's choice of experts in the last model call (None: not recorded)."""
+        moe = any(getattr(text, key, None) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
+        self.compiled = (self.device.type == "cuda" and not moe) if torch_compile is None else torch_compile
+        self._fused_sample = self._compile_decode() if self.compiled else None
         self.graphs = (DecodeGraphs(self._decode_forward, max_batch_size)
                        if cuda_graph and self.device.type == "cuda" else None)
         self.kv.on_move = self._drop_graphs
         self.peak_running = 0
         """Most rows ever decoded together (shows that batching happened)."""
+
+    def _compile_decode(self):
+        """torch.compile each decoder layer for decode steps (prefills, whose widths vary, stay eager) and return the
+        compiled plain sampler (``sampling.fused_draw``). A 0.5B model's decode step is ~1,500 small kernels, most
+        of them the elementwise ops of norms, rotary embeddings and the gated MLP that inductor fuses; the slot
+        attention stays eager between a layer's compiled graphs (``register_attention``). Layers share one compiled
+        code (one compile for a static batch size, one with the batch size dynamic); CUDA graphs then capture the
+        compiled kernels like any others."""
+        for layer in self._body.layers:
+            eager, compiled = layer.forward, torch.compile(layer.forward, dynamic=True)
+
+            def forward(*args, _eager=eager, _compiled=compiled, **kwargs):
+                kv = kwargs.get("slot_kv")
+                return (_compiled if kv is not None and kv.mode == "decode" else _eager)(*args, **kwargs)
+
+            layer.forward = forward
+        return torch.compile(fused_draw)
 
     def _resolve_dtype(self, name: str, config) -> torch.dtype:
         if name != "auto":
@@ -309,13 +332,34 @@ class ModelRunner:
 
     @torch.no_grad()
     def step(self, admit: list[Request]) -> list[Request]:
-        """Prefill the admitted requests into free slots, or (none admitted) decode one token for every row."""
+        """Prefill the admitted requests into free slots, or (none admitted) decode one token for every row; return
+        the requests that finished (they have left the batch)."""
         if admit:
+            done = self.settle()
             self._prefill(admit)
             self.peak_running = max(self.peak_running, len(self.running))
-        else:
-            self._decode()
+            return done + self._drop_finished()
+        return self._decode()
+
+    @torch.no_grad()
+    def settle(self) -> list[Request]:
+        """Take in the decode step still in flight (``_decode``) and drop the rows that finished; return them. The
+        scheduler calls this before anything but another decode step touches the batch."""
+        if self._in_flight is not None:
+            rows, drawn = self._in_flight
+            self._in_flight = None
+            self._take(rows, drawn)
         return self._drop_finished()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a decode step waits to be taken in (``settle``)."""
+        return self._in_flight is not None
+
+    def clear_batch(self) -> list[Request]:
+        """Empty the batch (a step in flight is dropped unread) and return the requests that were in it."""
+        batch, self.running, self._in_flight = self.running, [], None
+        return batch
 
     def _drop_finished(self) -> list[Request]:
         done = [r for r in self.running if r.finish_reason is not None]
@@ -324,7 +368,8 @@ class ModelRunner:
         return done
 
     def drop_aborted(self) -> list[Request]:
-        """End the running requests marked aborted (finish_reason abort) and take them out of the batch."""
+        """End the running requests marked aborted (finish_reason abort) and take them out of the batch (after
+        ``settle``)."""
         gone = [r for r in self.running if r.abort_message is not None and r.finish_reason is None]
         for r in gone:
             r.finish_reason = {"type": "abort", "message": r.abort_message}
@@ -363,45 +408,71 @@ class ModelRunner:
         for i, r in enumerate(reqs):
             if r.wants_input_logprobs:
                 score_prompt(r, self._head(hidden[i, :len(r.prompt_ids) - 1]).float())
-        tokens, chosen, logprobs, tops = sample(logits, reqs)
+        drawn = sample(logits, reqs)
         rows = slice(start, start + len(reqs))
         self.kv.pos[rows] = torch.tensor(lengths, device=self.device)
-        self.kv.ids[rows] = tokens
-        for i, r in enumerate(reqs):
+        self.kv.ids[rows] = drawn.tokens
+        self.running = self.running + list(reqs)
+        for r in reqs:
             if r.params.max_new_tokens == 0:
                 r.finish_reason = {"type": "length", "length": 0}
-            else:
-                self._append(r, chosen[i], logprobs[i], tops[i] if tops else None)
-        self.running = self.running + list(reqs)
+        self._take(reqs, drawn)
 
-    def _decode(self) -> None:
-        n = len(self.running)
-        self.kv.reserve(max(r.num_tokens for r in self.running))  # the newest token goes to column num_tokens - 1
-        logits = self._graph_decode(n) if self.graphs is not None else self._decode_forward(n)
+    def _decode(self) -> list[Request]:
+        """One decode step of the batch, overlapped with the host's work: this step is launched before the host
+        takes in the previous step's tokens (``_in_flight``; its inputs are already on the device), so the device
+        runs while the host appends tokens and checks finishes. A row that finished in the previous step runs once
+        more (its token is dropped); the step is not launched ahead when a row would reach its length limit with the
+        previous step's token (a predictable finish), nor when the routers' choices are recorded (their buffer is
+        read after every step). Returns the requests that finished."""
+        done = []
+        ahead = self._in_flight is not None and self.routing is None and not any(
+            len(r.output_ids) + 1 >= r.params.max_new_tokens or r.num_tokens + 1 >= self.context_length
+            for r in self.running)
+        if not ahead:
+            done = self.settle()
+            if not self.running:
+                return done
+        rows = list(self.running)
+        n = len(rows)
+        longest = max(r.num_tokens for r in rows) + (1 if ahead else 0)  # the newest token's column + 1
+        self.kv.reserve(longest)
+        window = self.kv.window_for(longest)
+        logits = self._graph_decode(n, window) if self.graphs is not None else self._decode_forward(n, window)
         self.kv.pos[:n] += 1
-        if self.routing is not None:
-            routed = self.routing.decode_rows(n)
-            for i, r in enumerate(self.running):
+        routed = self.routing.decode_rows(n) if self.routing is not None else None
+        drawn = sample(logits, rows, self._fused_sample)
+        self.kv.ids[:n] = drawn.tokens
+        previous, self._in_flight = self._in_flight, (rows, drawn)
+        if routed is not None:
+            for i, r in enumerate(rows):
                 if r.routed_experts is not None:
                     r.routed_experts.append(routed[i:i + 1])
-        tokens, chosen, logprobs, tops = sample(logits, self.running)
-        self.kv.ids[:n] = tokens
-        for i, r in enumerate(self.running):
-            self._append(r, chosen[i], logprobs[i], tops[i] if tops else None)
+        if previous is not None:
+            self._take(*previous)
+        return done + self._drop_finished()
 
-    def _graph_decode(self, n: int) -> torch.Tensor:
+    def _take(self, rows: list[Request], drawn) -> None:
+        """Append one step's tokens to its rows' requests (those still unfinished) and check their finishes."""
+        tokens, logprobs, tops = drawn.result()
+        for i, r in enumerate(rows):
+            if r.finish_reason is None:
+                self._append(r, tokens[i], logprobs[i], tops[i] if tops else None)
+
+    def _graph_decode(self, n: int, window: int) -> torch.Tensor:
         """The decode step from its CUDA graph; a step that cannot be captured runs eagerly from then on."""
         try:
-            return self.graphs.run(n)
+            return self.graphs.run(n, window)
         except GraphCaptureError as error:
             logger.warning("CUDA graphs off for this engine: %s", error)
             self.graphs = None
             torch.cuda.synchronize(self.device)
-            return self._decode_forward(n)
+            return self._decode_forward(n, window)
 
-    def _decode_forward(self, n: int) -> torch.Tensor:
-        """Logits [n, vocab] (fp32) of the next token of slots 0..n-1 (what a CUDA graph captures)."""
-        self.kv.decode(n)
+    def _decode_forward(self, n: int, window: int) -> torch.Tensor:
+        """Logits [n, vocab] (the model's dtype; ``sample`` upcasts) of the next token of slots 0..n-1, attention
+        reading columns 0..window-1 (what a CUDA graph captures)."""
+        self.kv.decode(n, window)
         if self.routing is not None:
             self.routing.decoding = True
         try:
@@ -410,10 +481,12 @@ class ModelRunner:
         finally:
             if self.routing is not None:
                 self.routing.decoding = False
-        return self._head(hidden[:, -1]).float()
+        return self._head(hidden[:, -1])
 
     def _drop_graphs(self) -> None:
         if self.graphs is not None:
+            if self.device.type == "cuda":  # a step in flight may still be replaying one
+                torch.cuda.synchronize(self.device)
             self.graphs.drop()
 
     def _append(self, r: Request, token: int, logprob: float, top) -> None:

@@ -7,6 +7,8 @@ token always survives. A token is one multinomial draw from the kept, unnormalis
 request's own generator when it has a ``sampling_seed``.
 """
 
+from typing import Optional
+
 import torch
 
 from slime_hydra.rollout.engines.embedded.protocol import Request, SamplingParams
@@ -26,11 +28,63 @@ def score_prompt(r: Request, logits: torch.Tensor) -> None:
         r.input_top = ([None] + tops)[r.logprob_start_len:]
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]):
-    """Pick each row's next token; return (tokens on the device, the same as a list, their logprobs, per-row top
-    logprobs or None). One host sync for the tokens and logprobs together."""
+def fused_draw(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain case of ``sample`` (every row drawn at its temperature, nothing truncated, no per-request
+    generator), written to be torch.compiled into a few kernels that read the logits twice: logprobs
+    ``l = x / T - logsumexp(x / T)`` (x upcast to fp32) and the token ``argmax(l + G)`` with G standard Gumbel noise
+    ``-log(-log(U))``, U uniform: the Gumbel-max form of one draw from ``softmax(x / T)`` (``torch.multinomial``
+    draws the same distribution as ``argmax(p / E)``, E exponential, i.e. by the same argument). Returns (tokens,
+    their logprobs)."""
+    scaled = logits.float() / temperature[:, None]
+    logprobs = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
+    tokens = (logprobs - torch.log(-torch.log(torch.rand_like(logprobs)))).argmax(dim=-1)
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
+
+class Drawn:
+    """One step's draws: the tokens on the device (the next step's inputs), and their ids, logprobs and top logprobs
+    on their way to the host (a non-blocking copy into pinned memory, so the device may already run the next step
+    when the host reads them: ``result``)."""
+
+    def __init__(self, tokens: torch.Tensor, chosen: torch.Tensor, reqs: list[Request],
+                 tops: Optional[tuple[torch.Tensor, torch.Tensor]]):
+        self.tokens = tokens
+        self._widths = [r.top_logprobs_num for r in reqs]
+        packed = [torch.stack([tokens.to(chosen.dtype), chosen])]  # exact: token ids < 2^24 fit in fp32
+        if tops is not None:
+            packed += [tops[0], tops[1].to(tops[0].dtype)]
+        self._event = None
+        if tokens.device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in packed]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+
+    def result(self) -> tuple[list[int], list[float], Optional[list]]:
+        """(token ids, their logprobs, per-row top logprobs or None): waits for this step's copy only."""
+        if self._event is not None:
+            self._event.synchronize()
+        both = self._host[0].tolist()
+        tops = None
+        if len(self._host) > 1:
+            vals, idx = self._host[1].tolist(), self._host[2].tolist()
+            tops = [list(zip(vals[i][:w], (int(t) for t in idx[i][:w]))) if w else None
+                    for i, w in enumerate(self._widths)]
+        return [int(t) for t in both[0]], both[1], tops
+
+
+def sample(logits: torch.Tensor, reqs: list[Request], fused=None) -> Drawn:
+    """Pick each row's next token (nothing waits for the device). fused: the compiled ``fused_draw``, used when every
+    row is a plain draw (None: never)."""
     scale = torch.tensor([1.0 if r.params.greedy else float(r.params.temperature) for r in reqs],
-                         dtype=logits.dtype).to(logits.device, non_blocking=True)
+                         dtype=torch.float32).to(logits.device, non_blocking=True)
+    if fused is not None and all(not r.params.greedy and not r.params.truncates and r.generator is None
+                                 and not r.top_logprobs_num for r in reqs):
+        tokens, chosen = fused(logits, scale)
+        return Drawn(tokens, chosen, reqs, None)
+    logits = logits.float()
     logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
     sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if len(sampled) == len(reqs) and not any(r.params.truncates for r in reqs):  # the common case: no copies
@@ -49,15 +103,8 @@ def sample(logits: torch.Tensor, reqs: list[Request]):
             picked = draw(probs, [reqs[i] for i in cut])
             tokens[index] = order.gather(1, picked[:, None])[:, 0]
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    tops = None
     widest = max(r.top_logprobs_num for r in reqs)
-    if widest:
-        vals, idx = logprobs.topk(widest, dim=-1)
-        vals, idx = vals.tolist(), idx.tolist()
-        tops = [list(zip(vals[i][:r.top_logprobs_num], idx[i][:r.top_logprobs_num])) if r.top_logprobs_num
-                else None for i, r in enumerate(reqs)]
-    both = torch.stack([tokens.to(chosen.dtype), chosen]).tolist()  # exact: token ids < 2^24 fit in fp32
-    return tokens, [int(t) for t in both[0]], both[1], tops
+    return Drawn(tokens, chosen, reqs, logprobs.topk(widest, dim=-1) if widest else None)
 
 
 def truncation_mask(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -19,6 +19,7 @@ import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -46,11 +47,12 @@ class Engine:
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_batch_size: int = 64,
                  context_length: Optional[int] = None, tokenizer_path: Optional[str] = None,
                  weight_version: str = "0", host: str = "127.0.0.1", port: int = 0, cuda_graph: bool = True,
-                 lora: Optional[dict] = None, return_routed_experts: bool = False):
+                 lora: Optional[dict] = None, return_routed_experts: bool = False,
+                 torch_compile: Optional[bool] = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         self.runner = ModelRunner(model_path, device, dtype, max_batch_size, context_length, tokenizer_path,
-                                  weight_version, cuda_graph, lora, return_routed_experts)
+                                  weight_version, cuda_graph, lora, return_routed_experts, torch_compile)
         self.max_batch_size = max_batch_size
         self.host, self.port = host, port
         self.paused = False
@@ -236,6 +238,8 @@ class Engine:
         try:
             while True:
                 self._wake.clear()
+                if self._abort_pending or self._retract_pending or self._controls:
+                    await self._settle(loop)
                 if self._abort_pending:
                     await self._reap_aborted(loop)
                 if self._retract_pending:
@@ -254,6 +258,9 @@ class Engine:
                 if admit or (stepping and self.runner.running):
                     await self._run_step(loop, admit)
                     continue
+                if self.runner.in_flight:
+                    await self._settle(loop)
+                    continue
                 await self._wake.wait()
         except asyncio.CancelledError:
             raise
@@ -271,8 +278,7 @@ class Engine:
     def _retract(self) -> None:
         """Running requests go back to the queue front with their tokens; re-admission prefills prompt + tokens."""
         self._retract_pending = False
-        self._waiting.extendleft(reversed(self.runner.running))
-        self.runner.running = []
+        self._waiting.extendleft(reversed(self.runner.clear_batch()))
 
     def _control_may_run(self) -> bool:
         op = self._controls[0]
@@ -288,14 +294,20 @@ class Engine:
             if not op.future.done():
                 op.future.set_result(result)
 
-    async def _run_step(self, loop, admit: list[Request]) -> None:
+    async def _settle(self, loop) -> None:
+        """Take in the decode step in flight (runner.settle) before the batch is touched otherwise."""
+        if self.runner.in_flight:
+            await self._run_step(loop, None)
+
+    async def _run_step(self, loop, admit: Optional[list[Request]]) -> None:
+        """One runner step (admit None: only settle the step in flight) and answer the requests that finished."""
+        work = self.runner.settle if admit is None else partial(self.runner.step, admit)
         try:
-            finished = await loop.run_in_executor(self._executor, self.runner.step, admit)
+            finished = await loop.run_in_executor(self._executor, work)
         except Exception as exc:
             # The step's tensors are in an unknown state: fail the requests it touched, keep serving the rest.
             logger.exception("model step failed")
-            victims = admit + self.runner.running
-            self.runner.running = []
+            victims = (admit or []) + self.runner.clear_batch()
             for r in victims:
                 self._fail(r, f"model step failed: {type(exc).__name__}: {exc}")
             return
@@ -335,7 +347,7 @@ class Engine:
             self._fail(r, message)
         self._waiting.clear()
         if clear_batch:
-            self.runner.running = []
+            self.runner.clear_batch()
         while self._controls:
             op = self._controls.popleft()
             if not op.future.done():
@@ -358,6 +370,7 @@ class Engine:
                 "skip_tokenizer_init": runner.tokenizer is None, "weight_version": runner.weight_version,
                 "paused": self.paused, "memory_released": runner.released,
                 "lora_adapters": sorted(self.adapter_paths), "cuda_graph": runner.graphs is not None,
+                "torch_compile": runner.compiled,
                 "cuda_graph_captures": runner.graphs.captures if runner.graphs is not None else 0,
                 "kv_capacity_tokens": runner.kv.capacity,
                 "internal_states": [{"generated_tokens": self.generated_tokens,

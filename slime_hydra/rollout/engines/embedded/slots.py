@@ -14,9 +14,11 @@ position id of its next input ``ids[b]`` (the last sampled token, not yet in the
   causal attention among the new tokens (SDPA's causal kernel, grouped-query heads native); the keys/values of
   columns 0..P-1 are written into the slots. A row's padding columns hold junk that no query ever sees: decode masks
   columns above ``pos`` and overwrites them as the request grows.
-- **Decode** of the first n slots: each row's new key/value goes to column ``pos[b]``; attention reads columns
-  0..capacity-1 of its slot under the mask ``column <= pos[b]``. The query heads of one KV group share the keys, so
-  they are folded into SDPA's query-length axis (q ``[n, kv_heads, group, d]``): no copy of K/V per query head.
+- **Decode** of the first n slots: each row's new key/value goes to column ``pos[b]``; attention reads the columns
+  0..window-1 of its slot under the mask ``column <= pos[b]``, the window the power of two (at least
+  ``MIN_CAPACITY``, at most the capacity) that holds the longest row, so short rows do not read a long cache. The
+  query heads of one KV group share the keys, so they are folded into SDPA's query-length axis
+  (q ``[n, kv_heads, group, d]``): no copy of K/V per query head.
 - **Finishing**: the rows that stay are compacted into slots 0..n'-1 by moving the last running rows into the holes
   (``compact``), a copy of the moved rows only.
 - **Capacity** grows on demand to the next power of two (at least 128, at most the context length); growing copies
@@ -32,7 +34,8 @@ The attention runs in ``slot_attention``, registered with transformers' ``Attent
 sliding-window layers, attention sinks or logit soft-capping are refused by it.
 
 CUDA graphs (``DecodeGraphs``): one graph of the whole decode forward (embedding to logits) per batch-size bucket
-(1, 2, 4, ... up to the slot count, which is always a bucket), captured on first use and replayed with the live rows'
+(1, 2, 4, ... up to the slot count, which is always a bucket) and attention window, captured on first use and
+replayed with the live rows'
 ids/positions in the static ``ids``/``pos`` buffers; the rows between n and the bucket are idle slots whose results
 are ignored. Graphs are dropped whenever a tensor they read moves: the cache grows or is freed, or the weights are
 released (a weight update copies into the same storage and keeps them).
@@ -56,7 +59,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"the embedded engine's slot attention does not implement {name}; serve this "
                                       "model with rollout=sglang")
-    if slot_kv is None or slot_kv.mode == "prefill":
+    if slot_kv is None or slot_kv.mode == "prefill":  # (not traced by torch.compile: register_attention)
         if slot_kv is not None:
             slot_kv.write_prefill(module.layer_idx, key, value)
         out = F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1, scale=scaling,
@@ -70,9 +73,12 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 def register_attention() -> str:
+    """Register ``slot_attention`` with transformers. It runs eagerly inside a torch.compiled decoder layer (the
+    layer's compiled graphs end before it and resume after it): traced, it would specialise on ``layer_idx`` and
+    compile every layer apart."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_NAME, slot_attention)
+    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(slot_attention))
     return ATTENTION_NAME
 
 
@@ -99,8 +105,10 @@ class SlotKV:
         self.mode = "decode"
         self.start = 0
         """prefill: the first slot written."""
+        self.window = 0
+        """decode: the columns attention reads (``window_for``)."""
         self.mask: Optional[torch.Tensor] = None
-        """decode: ``[n, 1, 1, capacity]``, True where a column holds one of the row's tokens."""
+        """decode: ``[n, 1, 1, window]``, True where a column holds one of the row's tokens."""
         self.on_move: Callable[[], None] = lambda: None
         """Called when the cache tensor is reallocated or freed (the engine drops its CUDA graphs)."""
 
@@ -137,10 +145,15 @@ class SlotKV:
     def prefill(self, start: int) -> None:
         self.mode, self.start = "prefill", start
 
-    def decode(self, n: int) -> None:
-        """Set up a decode of slots 0..n-1 (inside a CUDA graph capture the mask is computed by the graph)."""
-        self.mode = "decode"
-        self.mask = (self._columns[None, :] <= self.pos[:n, None])[:, None, None, :]
+    def window_for(self, length: int) -> int:
+        """The attention window of a decode whose longest row has ``length`` tokens (the new one included)."""
+        return min(self.capacity, max(MIN_CAPACITY, 1 << (length - 1).bit_length()))
+
+    def decode(self, n: int, window: int) -> None:
+        """Set up a decode of slots 0..n-1 reading columns 0..window-1 (inside a CUDA graph capture the mask is
+        computed by the graph)."""
+        self.mode, self.window = "decode", window
+        self.mask = (self._columns[None, :window] <= self.pos[:n, None])[:, None, None, :]
 
     def write_prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         m, _, length, _ = key.shape
@@ -153,7 +166,7 @@ class SlotKV:
         k_layer, v_layer = self.k[layer], self.v[layer]
         k_layer[rows, :, pos] = key[:, :, 0]
         v_layer[rows, :, pos] = value[:, :, 0]
-        return k_layer[:n], v_layer[:n]
+        return k_layer[:n, :, :self.window], v_layer[:n, :, :self.window]
 
     def compact(self, keep: list[int]) -> list[tuple[int, int]]:
         """Keep these running rows (ascending slot indices) in slots 0..len(keep)-1; return the (src, dst) moves."""
@@ -179,12 +192,13 @@ class GraphCaptureError(RuntimeError):
 
 
 class DecodeGraphs:
-    """CUDA graphs of ``forward(n) -> logits [n, vocab]`` for batch-size buckets, captured on first use."""
+    """CUDA graphs of ``forward(n, window) -> logits [n, vocab]`` for batch-size buckets and attention windows,
+    captured on first use."""
 
-    def __init__(self, forward: Callable[[int], torch.Tensor], max_batch: int):
+    def __init__(self, forward: Callable[[int, int], torch.Tensor], max_batch: int):
         self.forward = forward
         self.buckets = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.captures = 0
         """How many graphs were captured in all (drops make this grow)."""
@@ -196,30 +210,30 @@ class DecodeGraphs:
         self._graphs.clear()
         self._pool = None
 
-    def run(self, n: int) -> torch.Tensor:
-        """Logits of the first n slots (the graph of n's bucket; captured now if it is new)."""
-        size = self.bucket(n)
-        if size not in self._graphs:
+    def run(self, n: int, window: int) -> torch.Tensor:
+        """Logits of the first n slots (the graph of n's bucket and this window; captured now if it is new)."""
+        key = (self.bucket(n), window)
+        if key not in self._graphs:
             try:
-                self._graphs[size] = self._capture(size)
+                self._graphs[key] = self._capture(*key)
             except RuntimeError as error:
-                raise GraphCaptureError(f"capturing the decode step of {size} rows: {error}") from error
-        graph, logits = self._graphs[size]
+                raise GraphCaptureError(f"capturing the decode step of {key[0]} rows: {error}") from error
+        graph, logits = self._graphs[key]
         graph.replay()
         return logits[:n]
 
-    def _capture(self, size: int):
+    def _capture(self, size: int, window: int):
         # Warm up on a side stream (cuBLAS handles, lazy inits), as torch.cuda.graph's documentation asks. The
         # warm-up writes the same keys/values the replay will write, so running it changes nothing.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.forward(size)
+            self.forward(size, window)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.forward(size)
+            logits = self.forward(size, window)
         self.captures += 1
         return graph, logits
