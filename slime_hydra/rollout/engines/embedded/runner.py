@@ -4,7 +4,8 @@ scheduler hands each call over at a step boundary).
 
 ``step`` is the one model call of a scheduler iteration (package docstring, Batching): a prefill into the next free
 slots or a decode of every running row; each produced token is sampled (``sampling``), appended to its request and
-checked against the finish conditions, and finished rows leave the batch (``SlotKV.compact``). As control operations
+checked against the finish conditions, and finished rows leave the batch (``SlotKV.compact``). A decode step's
+tokens are taken in while the next step runs on the device (``_decode``), or by ``settle``. As control operations
 it loads weight updates (into the live parameters, or into the parked host copy while released; with LoRA
 adapters, ``lora``, the A and B matrices by their saved-adapter keys), parks and restores
 the weights, and frees the slot cache and the decode graphs. It also keeps ``weight_version`` (the label of the loaded
@@ -125,7 +126,8 @@ class ModelRunner:
         code (one compile for a static batch size, one with the batch size dynamic); CUDA graphs then capture the
         compiled kernels like any others."""
         for layer in self._body.layers:
-            eager, compiled = layer.forward, torch.compile(layer.forward, dynamic=True)
+            eager = layer.forward
+            compiled = torch.compile(eager, dynamic=True, options={"emulate_precision_casts": True})
 
             def forward(*args, _eager=eager, _compiled=compiled, **kwargs):
                 kv = kwargs.get("slot_kv")

@@ -7,7 +7,9 @@ Each iteration of ``_schedule_forever`` does, in order: finish aborted requests,
 first control operation if it may run now (a draining one waits for an empty batch unless generation is paused),
 otherwise admit waiting requests into free rows (none while a control operation waits; only those that run with the
 batch's LoRA adapter, the next one's put in place once the batch is empty) and run one step: a prefill if
-anything was admitted, else a decode of the batch. Nothing steps while generation is paused or the weights are
+anything was admitted, else a decode of the batch. A decode step leaves its tokens in flight (the runner takes them
+in during the next step); before anything else touches the batch (aborts, retracts, control operations, going
+idle) the scheduler has the runner settle it. Nothing steps while generation is paused or the weights are
 released; with nothing to do it sleeps until woken. Finished requests are answered here (``protocol.response``); a
 failed step fails only the requests it touched, a scheduler error fails everything and turns /health to 503.
 """
