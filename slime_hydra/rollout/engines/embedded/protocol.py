@@ -143,6 +143,35 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def append(self, token: int, logprob: float, top, eos_ids: frozenset, context_length: int, tokenizer) -> None:
+        """Add a generated token (with its logprob and top logprobs) and check the finish conditions in SGLang's
+        order: max_new_tokens, then EOS ids and stop_token_ids (unless ignore_eos), stop strings (decoded with
+        ``tokenizer``), the context length."""
+        self.output_ids.append(token)
+        if self.return_logprob:
+            self.output_logprobs.append(logprob)
+            if self.top_logprobs_num:
+                self.output_top.append(top)
+        p = self.params
+        if len(self.output_ids) >= p.max_new_tokens:
+            self.finish_reason = {"type": "length", "length": p.max_new_tokens}
+        elif not p.ignore_eos and (token in eos_ids or token in p.stop_token_ids):
+            self.finish_reason = {"type": "stop", "matched": token}
+        elif p.stop and self._match_stop(tokenizer):
+            pass
+        elif self.num_tokens >= context_length:
+            self.finish_reason = {"type": "length", "length": len(self.output_ids)}
+
+    def _match_stop(self, tokenizer) -> bool:
+        text = tokenizer.decode(self.output_ids, skip_special_tokens=self.params.skip_special_tokens)
+        hits = [(text.find(s), s) for s in self.params.stop if s in text]
+        if not hits:
+            return False
+        start, matched = min(hits)
+        self.finish_reason = {"type": "stop", "matched": matched}
+        self.text_end = start
+        return True
+
 
 def parse_generate(body: dict, make_request: Callable[..., Request]) -> tuple[list[Request], bool]:
     """The Requests of a /generate body and whether it was a batch (answered with a list). ``make_request`` checks

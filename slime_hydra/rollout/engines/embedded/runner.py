@@ -354,8 +354,7 @@ class ModelRunner:
         return self._drop_finished()
 
     @property
-    def in_flight(self) -> bool:
-        """Whether a decode step waits to be taken in (``settle``)."""
+    def in_flight(self) -> bool:  # a decode step waits to be taken in (settle)
         return self._in_flight is not None
 
     def clear_batch(self) -> list[Request]:
@@ -421,12 +420,11 @@ class ModelRunner:
         self._take(reqs, drawn)
 
     def _decode(self) -> list[Request]:
-        """One decode step of the batch, overlapped with the host's work: this step is launched before the host
-        takes in the previous step's tokens (``_in_flight``; its inputs are already on the device), so the device
-        runs while the host appends tokens and checks finishes. A row that finished in the previous step runs once
-        more (its token is dropped); the step is not launched ahead when a row would reach its length limit with the
-        previous step's token (a predictable finish), nor when the routers' choices are recorded (their buffer is
-        read after every step). Returns the requests that finished."""
+        """One decode step, launched before the host takes in the previous step's tokens (``_in_flight``; the
+        inputs are on the device already), so the device runs while the host appends tokens and checks finishes. A
+        row that finished in the previous step runs once more (its token is dropped). Not launched ahead when a row
+        reaches a length limit with the previous token, nor when routed experts are recorded (their buffer is read
+        after every step). Returns the requests that finished."""
         done = []
         ahead = self._in_flight is not None and self.routing is None and not any(
             len(r.output_ids) + 1 >= r.params.max_new_tokens or r.num_tokens + 1 >= self.context_length
@@ -459,7 +457,8 @@ class ModelRunner:
         tokens, logprobs, tops = drawn.result()
         for i, r in enumerate(rows):
             if r.finish_reason is None:
-                self._append(r, tokens[i], logprobs[i], tops[i] if tops else None)
+                r.append(tokens[i], logprobs[i], tops[i] if tops else None, self.eos_ids, self.context_length,
+                         self.tokenizer)
 
     def _graph_decode(self, n: int, window: int) -> torch.Tensor:
         """The decode step from its CUDA graph; a step that cannot be captured runs eagerly from then on."""
@@ -490,32 +489,6 @@ class ModelRunner:
             if self.device.type == "cuda":  # a step in flight may still be replaying one
                 torch.cuda.synchronize(self.device)
             self.graphs.drop()
-
-    def _append(self, r: Request, token: int, logprob: float, top) -> None:
-        r.output_ids.append(token)
-        if r.return_logprob:
-            r.output_logprobs.append(logprob)
-            if r.top_logprobs_num:
-                r.output_top.append(top)
-        p = r.params
-        if len(r.output_ids) >= p.max_new_tokens:
-            r.finish_reason = {"type": "length", "length": p.max_new_tokens}
-        elif not p.ignore_eos and (token in self.eos_ids or token in p.stop_token_ids):
-            r.finish_reason = {"type": "stop", "matched": token}
-        elif p.stop and self._match_stop(r):
-            pass
-        elif r.num_tokens >= self.context_length:
-            r.finish_reason = {"type": "length", "length": len(r.output_ids)}
-
-    def _match_stop(self, r: Request) -> bool:
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
-        hits = [(text.find(s), s) for s in r.params.stop if s in text]
-        if not hits:
-            return False
-        start, matched = min(hits)
-        r.finish_reason = {"type": "stop", "matched": matched}
-        r.text_end = start
-        return True
 
     # -- descriptions ----------------------------------------------------------------------------------------------
 
