@@ -1,7 +1,7 @@
 """The config space, fuzzed (hypothesis): any combination of settings drawn from the schema and the groups is either
 valid, derives its values and prints its plan, or is refused with Problems that name keys. Never a traceback.
 
-Two levels. Through Hydra (300 examples: composing costs ~0.3 s): command-line overrides whose values are drawn
+Two levels. Through Hydra (150 examples: composing costs ~0.3 s): command-line overrides whose values are drawn
 per field from its domain's edges, inside and outside (options.py), from other types and null, and group options
 (plus misspelt ones). On the schema (3,000 examples, milliseconds each): every group option composed once, then
 several fields set to well-typed values around their domains' edges, straight into the dataclasses: the rules'
@@ -101,7 +101,7 @@ def outcome(compose, ovs: list[str]) -> str:
     return "valid"
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(overrides)
 def test_any_override_combination_is_valid_or_refused_by_key(composer, ovs):
     assert outcome(composer, ovs) in ("valid", "refused")
