@@ -36,11 +36,16 @@ OWNER_FILE = "driver.pid"
 """In the temp dir: the pid of the driver that started the node (a dir whose driver is gone is stale)."""
 
 
-LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+NO_DRAIN_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+"""For ``ray start``: on SIGTERM, Ray >= 2.5x marks its node draining and waits up to 30 s for the leases to come
+back before it stops its processes. Our nodes are stopped after the driver has ended its actors (nothing to drain),
+and the wait made every stop run into the SIGKILL grace period (10 s a run, measured on the CPU machine)."""
+
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", **NO_DRAIN_ENV}
 """What a run on one machine needs (docs/architecture.md "Machine facts"): Ray's cluster mode off, so the driver
 reaches the node on 127.0.0.1 (with it on, ``ray.init(address="127.0.0.1:<port>")`` rewrites the address to the
 machine's external one, where the node does not listen, and waits forever); no token auth (a stale
-~/.ray/auth_token would turn it on)."""
+~/.ray/auth_token would turn it on); no drain on stop (NO_DRAIN_ENV)."""
 
 
 def set_local_ray_env() -> None:

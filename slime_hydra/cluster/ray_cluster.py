@@ -36,17 +36,20 @@ import time
 from typing import Optional, Sequence
 
 from slime_hydra.cluster.config import ClusterConfig
+from slime_hydra.cluster.local_ray import NO_DRAIN_ENV
 from slime_hydra.lifetime import die_with_parent
 from slime_hydra.net import answers, free_port
 
 CLEARED_ENV_PREFIXES = ("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "PMI_", "PMIX_", "OMPI_", "SUBMITIT_")
 """Variables removed from the environment of the Ray processes (and so of every actor)."""
 
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           **NO_DRAIN_ENV}
 """Set for the Ray processes and the driver. Cluster mode must be ON here: with
 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (right for single-machine runs, docs/architecture.md "Machine facts") ``ray start --address`` refuses
 to join and a driver takes 127.0.0.1 as its node address; the explicit ``--node-ip-address`` keeps Ray off the
-machine's other interfaces instead. No token auth (a stale ~/.ray/auth_token would otherwise turn it on)."""
+machine's other interfaces instead. No token auth (a stale ~/.ray/auth_token would otherwise turn it on); no drain on
+stop (local_ray.NO_DRAIN_ENV)."""
 
 STOP_GRACE_S = 2.0
 """Seconds a ray start process group gets between SIGTERM and SIGKILL (the driver is done by then: nothing to
