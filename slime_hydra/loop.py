@@ -24,7 +24,8 @@ in place (generation continues on the new weights; TIS, ``algo.tis_cap``, correc
 Colocated on GPUs (``cluster.colocate``), trainer and engines take turns with the GPU memory: the trainer's
 parameters and optimizer state go to the host while the engines generate, the engines park their weights on the
 host while the trainer works, and both hold theirs for the weight sync (``hand_gpus_to``; CUDA IPC, no copy
-through the host).
+through the host). Where the memory plan says both fit one GPU (``cluster.colocate_offload``, config/memory.py),
+nothing moves: both stay resident and the engines keep their KV cache and CUDA graphs.
 
 Every phase runs inside ``timer.phase(<name>)`` (tracking/phases.py), which writes ``perf/<name>_time`` (s):
 rollout (the wait for a scored batch), offload (colocated memory moves), logprobs (old + ref forward, values),
@@ -59,6 +60,7 @@ from slime_hydra.buffer.sample import Sample
 from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, complete, find_resume, write_json
 from slime_hydra.cluster.local_ray import LocalRay, dead_actor, set_local_ray_env, worker_log_tail
 from slime_hydra.config.derive import Derived, derive
+from slime_hydra.config.memory import plan_memory
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.model.hf import load_tokenizer
 from slime_hydra.model.warm_start import resolve_model_path
@@ -152,6 +154,7 @@ class Session:
     def placement(self) -> None:
         """One bundle per GPU, or per role process on a CPU-only machine; wait until Ray reserved them all."""
         self.on_gpu = self.cfg.cluster.gpus_per_node > 0
+        self.colocated_moves = bool(plan_memory(self.cfg, self.d).colocated_moves)
         unit = {"GPU": 1, "CPU": 1} if self.on_gpu else {"CPU": 1}
         self.pg = placement_group([dict(unit) for _ in range(self.d.total_gpus)], strategy="PACK")
         ray.get(self.pg.ready(), timeout=self.cfg.cluster.ray_wait_nodes_s)
@@ -288,7 +291,7 @@ class Session:
         (the engines park their weights on the host) while training, "both" for the weight sync. Elsewhere
         nothing moves. Timed as the ``offload`` phase; the trainer's GPU memory after the move (bytes, the largest
         rank) is kept in ``self.trainer_gpu_bytes[holder]`` for tracking."""
-        active = self.cfg.cluster.colocate and self.on_gpu and None not in (self.trainer, self.manager)
+        active = self.colocated_moves and None not in (self.trainer, self.manager)
         if not active or holder == self.gpu_holder:
             return
         with timer.phase("offload"):

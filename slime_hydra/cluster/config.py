@@ -11,6 +11,8 @@ from slime_hydra.options import Problem, choice, non_negative, positive, within
 
 SCHEDULERS = ("local", "slurm")
 """cluster.scheduler: where launch.py runs the job (launch/__init__.py)."""
+OFFLOAD_POLICIES = ("auto", "always", "never")
+"""cluster.colocate_offload (config/memory.py resolves auto)."""
 
 
 @dataclass
@@ -23,6 +25,12 @@ class ClusterConfig:
     """CPUs given to Ray per node; null means what the machine (or the SLURM allocation) has."""
     colocate: bool = False
     """Training ranks and engines share the same GPUs (engines release memory while the trainer works)."""
+    colocate_offload: str = choice("auto", OFFLOAD_POLICIES)
+    """Colocated on GPUs, whether memory moves at each switch between generating and training. always: the
+    trainer's parameters and optimizer state go to the host while the engines generate, and the engines park their
+    weights and drop their KV cache and CUDA graphs while the trainer works. never: both stay resident (no memory
+    moves; the engines keep their CUDA graphs), which needs the trainer's and the engines' peaks to fit one GPU
+    together. auto: never where the memory plan says they fit in 90% of cluster.gpu_memory_gb, else always."""
     partition: Optional[str] = None
     """slurm: partition (sbatch --partition)."""
     account: Optional[str] = None

@@ -1,7 +1,8 @@
 """The memory plan: what each role holds on a GPU and in host RAM, from the config alone, before anything starts.
 
 ``plan_memory(cfg, d)`` gives, per GPU, the trainer rank's and the engine's peak (and, colocated, the GPU's: the two
-take turns, so the larger of the two plus what the other keeps), and per node the host RAM (reference copies,
+take turns, so the larger of the two plus what the other keeps; or, where ``cluster.colocate_offload`` resolves to
+no moves, both), and per node the host RAM (reference copies,
 offload buffers, parked engine weights, and on a CPU-only machine everything). ``memory_problems`` refuses a plan
 that does not fit ``cluster.gpu_memory_gb`` / the node's host RAM, with the numbers, the smallest GPU that fits and
 the overrides that would make it fit (each re-planned, so the list is true).
@@ -57,6 +58,9 @@ from slime_hydra.options import Problem
 GiB = 2 ** 30
 CUDA_RESERVE = 1.5 * GiB
 """Per GPU beyond what torch allocates: the CUDA context (~0.5 GiB), cuBLAS/NCCL workspaces, allocator slack."""
+RESIDENT_FRACTION = 0.9
+"""cluster.colocate_offload=auto keeps trainer and engines resident when both peaks fit this fraction of a GPU (the
+plan is an estimate, and two processes' caching allocators fragment more than one)."""
 PROCESS_HOST = {False: 0.3 * GiB, True: 0.6 * GiB}
 """Host RAM (PSS) of one Python process with torch, besides its model (the driver, a rank, an engine, the rollout
 manager): 0.29-0.34 GiB measured on the CPU machine; with CUDA (its libraries and context) assumed twice that."""
@@ -151,6 +155,8 @@ class MemoryPlan:
     host_capacity: Optional[float]
     """Bytes of host RAM per node (cluster.mem_gb, or this machine's), None when unknown."""
     on_gpu: bool
+    colocated_moves: Optional[bool] = None
+    """Colocated on GPUs: whether memory moves at each switch (cluster.colocate_offload resolved); else None."""
 
     @property
     def gpu_peak(self) -> float:
@@ -300,23 +306,33 @@ def plan_memory(cfg: SlimeConfig, d: Derived) -> MemoryPlan:
     if cfg.checkpoint_in_background:  # train/checkpoint_writer.py
         host.parts["checkpoint copy"] = ranks_per_node * trained * 12
     gpus: list[Usage] = []
+    capacity, moves = _gpu_capacity(cfg), None
     if on_gpu:
         for usage in (trainer, engine):
             usage.parts["CUDA reserve"] = CUDA_RESERVE
         if cfg.cluster.colocate:
-            shared = Usage("colocated GPU (trainer and engine take turns)")
-            shared.parts.update({"the larger of the two": max(trainer.total, engine.total) - CUDA_RESERVE,
-                                 "CUDA reserve (two processes)": 2 * CUDA_RESERVE})
+            policy = cfg.cluster.colocate_offload
+            resident = trainer.total + engine.total
+            moves = policy == "always" or (policy == "auto" and (capacity is None
+                                                                 or resident > RESIDENT_FRACTION * capacity))
+            if moves:
+                shared = Usage("colocated GPU (trainer and engine take turns)")
+                shared.parts.update({"the larger of the two": max(trainer.total, engine.total) - CUDA_RESERVE,
+                                     "CUDA reserve (two processes)": 2 * CUDA_RESERVE})
+                host.parts["trainer offload"] = ranks_per_node * (trained * 4 + trainer.parts["Adam state"]
+                                                                  + trainer.parts.get("frozen base", 0.0))
+                host.parts["parked engine weights"] = engines_per_node * engine.parts.get("weights", 0.0)
+            else:
+                shared = Usage("colocated GPU (trainer and engine both resident)")
+                shared.parts.update({"trainer": trainer.total - CUDA_RESERVE, "engine": engine.total - CUDA_RESERVE,
+                                     "CUDA reserve (two processes)": 2 * CUDA_RESERVE})
             gpus.append(shared)
-            host.parts["trainer offload"] = ranks_per_node * (trained * 4 + trainer.parts["Adam state"]
-                                                              + trainer.parts.get("frozen base", 0.0))
-            host.parts["parked engine weights"] = engines_per_node * engine.parts.get("weights", 0.0)
         else:
             gpus += [trainer] + ([engine] if engine.parts else [])
     else:  # a CPU-only machine: every role in host RAM, fp32
         host.parts["trainer ranks"] = ranks_per_node * trainer.total
         host.parts["engines"] = engines_per_node * engine.total
-    return MemoryPlan(gpus, host, _gpu_capacity(cfg), _host_capacity(cfg), on_gpu)
+    return MemoryPlan(gpus, host, capacity, _host_capacity(cfg), on_gpu, moves)
 
 
 # ---- refusal with what would fit ----------------------------------------------------------------------------------
@@ -350,6 +366,8 @@ def _fixes(cfg: SlimeConfig, d: Derived, place: str) -> list[str]:
     checked by re-planning (cheapest kinds first)."""
     out = []
     candidates: list[dict[str, object]] = []
+    if cfg.cluster.colocate and cfg.cluster.colocate_offload == "never":
+        candidates.append({"cluster.colocate_offload": "always"})
     if not cfg.train.gradient_checkpointing and cfg.cluster.gpus_per_node > 0:
         candidates.append({"train.gradient_checkpointing": True})
     if cfg.train.micro_batch_samples > 1 and not cfg.train.max_tokens_per_gpu:
@@ -385,6 +403,8 @@ def memory_problems(cfg: SlimeConfig, d: Derived, plan: MemoryPlan) -> Iterator[
         engine = usage.role == "engine"
         keys = (("cluster.gpu_memory_gb", "rollout.max_concurrency_per_engine", "rollout.backend") if engine else
                 ("cluster.gpu_memory_gb", "train.num_gpus", "train.micro_batch_samples"))
+        if "both resident" in usage.role:
+            keys = ("cluster.colocate_offload", *keys)
         fallback = ("serve the model with SGLang's paged cache (rollout=sglang) or use bigger GPUs" if engine else
                     "shard more (train.num_gpus, train=megatron train.tp / train.pp) or use bigger GPUs")
         yield Problem(keys, f"{usage.line()} does not fit a GPU of {plan.gpu_capacity / GiB:.0f} GiB; the smallest "

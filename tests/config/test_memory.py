@@ -226,3 +226,27 @@ def test_deepseek_v3_recipe_plans_on_64_nodes_and_32_would_not_hold_it(tmp_path)
     assert planned.returncode == 0 and "dry run: config valid" in planned.stdout, planned.stderr
     error = problems(*recipe, "train.num_gpus=256", "rollout.num_gpus=256", "train.ep=32")
     assert any("does not fit a GPU of 80 GiB" in p.message for p in error.problems), error
+
+
+def test_colocated_roles_stay_resident_where_the_plan_fits_them_together_and_move_where_not():
+    """cluster.colocate_offload=auto: nothing moves where trainer + engine fit 90% of the GPU (the 0.5B loop on an
+    H100), memory moves where they do not (the 7B LoRA run); never on a run that does not fit is refused with the
+    fix; always moves in any case."""
+    small = (*H100, *LOOP)
+    cfg, d = load(*small)
+    plan = plan_memory(cfg, d)
+    trainer, engine = trainer_usage(cfg, d).total, engine_usage(cfg, d).total
+    assert plan.colocated_moves is False and trainer + engine <= 0.9 * 80 * GiB
+    (shared,) = plan.gpu
+    assert shared.role == "colocated GPU (trainer and engine both resident)"
+    assert shared.total == pytest.approx(trainer + engine + 2 * 1.5 * GiB)
+    assert "trainer offload" not in plan.host.parts and "parked engine weights" not in plan.host.parts
+    moving = plan_memory(*load(*small, "cluster.colocate_offload=always"))
+    assert moving.colocated_moves is True and "trainer offload" in moving.host.parts
+    assert moving.gpu_peak < plan.gpu_peak
+    big = ("model=qwen2_5_7b", *H100, "train.num_gpus=1", "cluster.colocate=true", "train.lora.rank=32")
+    assert plan_memory(*load(*big)).colocated_moves is True
+    with pytest.raises(ConfigError, match="both resident.*does not fit a GPU of 80 GiB") as error:
+        load(*big, "cluster.colocate_offload=never")
+    assert "cluster.colocate_offload=always" in str(error.value)
+    assert plan_memory(*load(*H100, "model=qwen2_5_0_5b", *BENCH)).colocated_moves is None  # not colocated

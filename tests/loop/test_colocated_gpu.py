@@ -1,6 +1,7 @@
-"""Colocated on one GPU (python3 -m pytest -m gpu tests/loop/test_colocated_gpu.py): after every path that touches
-the parameters (the trainer's offload / onload, the engine's release / resume of its weights, a training step and
-the CUDA IPC weight sync), the engine scores a fixed sequence as the trainer does (``sync_k``: engine prefill
+"""Colocated on one GPU (python3 -m pytest -m gpu tests/loop/test_colocated_gpu.py), with memory moves
+(cluster.colocate_offload=always) and without (never: both resident): after every path that touches the
+parameters (the trainer's offload / onload, the engine's release / resume of its weights, a training step and the
+CUDA IPC weight sync), the engine scores a fixed sequence as the trainer does (``sync_k``: engine prefill
 against the trainer's logprobs pass), and the logprobs the engine sampled with match the trainer's training
 forward (``rollout_k``: the loop's train/train_rollout_* metric). The model is the tiny default briefly
 warm-started (a random init's near-uniform distributions are not what runs train).
@@ -34,10 +35,11 @@ def gap(a: list[float], b: list[float]) -> tuple[float, float]:
     return sum(diffs) / len(diffs), max(diffs)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype):
+@pytest.mark.parametrize("dtype, offload", [("fp32", "always"), ("bf16", "always"), ("bf16", "never")])
+def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype, offload):
     cfg = to_config(compose([
-        "cluster.gpus_per_node=1", "train.num_gpus=1", "cluster.colocate=true", "rollout.num_gpus=null",
+        "cluster.gpus_per_node=1", "train.num_gpus=1", "cluster.colocate=true", f"cluster.colocate_offload={offload}",
+        "rollout.num_gpus=null",
         "train.weight_sync=tensor", f"train.dtype={dtype}", "model.sft_warm_start_steps=100", "rollout.batch_prompts=8",
         "rollout.n_samples_per_prompt=8", "train.micro_batch_samples=64", "train.lr=1e-3", "reward.name=random",
         f"output_dir={tmp_path}", "run_name=r", "rollout.eval_every_steps=0"]))
@@ -45,6 +47,7 @@ def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype):
     node = _init_ray(cfg, tmp_path)
     session = Session(cfg, derive(cfg), tmp_path / "r", resolve_model_path(cfg.model, cfg.data, cfg.seed))
     try:
+        assert session.colocated_moves == (offload == "always")
         url, key = session.engine_urls[0], read_api_key(session.run_dir)
         gaps = {}
         for step in range(2):
