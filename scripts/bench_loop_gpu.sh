@@ -38,7 +38,8 @@ else
 fi
 python3 launch.py "${common[@]}" "${args[@]}" "${@:2}" || {
   status=$?  # what the engines and the router said (their logs stay on the machine)
-  grep -H -i -A12 "error\|traceback" "$out"/run/logs/engine_*.log "$out"/run/logs/router.log | tail -80
+  grep -H -i -A12 "error\|traceback" "$out"/run/logs/engine_*.log | head -80  # the engines' first, the cause
+  grep -H -i "error" "$out"/run/logs/router.log | tail -5
   exit $status
 }
 python3 - "$out/run/metrics.jsonl" <<'PY'
