@@ -105,7 +105,7 @@ def main() -> None:
                                    extra_args=extra, log_path=work / "engine.log")
     try:
         threads = asyncio.run(server_info(engine.url))["torch_threads"]
-        asyncio.run(one_round(engine.url, prompts, 8))  # warm-up
+        asyncio.run(one_round(engine.url, prompts, args.new_tokens))  # warm-up: compiles, captures every graph
         times = [asyncio.run(one_round(engine.url, prompts, args.new_tokens)) for _ in range(args.repeats)]
         peak = asyncio.run(server_info(engine.url)).get("max_memory_allocated_bytes")
     finally:
