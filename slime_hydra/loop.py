@@ -21,11 +21,8 @@ separate GPUs) the rollout of step k+1 is started before step k trains, on the w
 the buffer drops groups more than ``max_staleness`` versions old, and a sync that arrives mid-rollout is applied
 in place (generation continues on the new weights; TIS, ``algo.tis_cap``, corrects the mixed logprobs).
 
-Colocated on GPUs (``cluster.colocate``), trainer and engines take turns with the GPU memory: the trainer's
-parameters and optimizer state go to the host while the engines generate, the engines park their weights on the
-host while the trainer works, and both hold theirs for the weight sync (``hand_gpus_to``; CUDA IPC, no copy
-through the host). Where the memory plan says both fit one GPU (``cluster.colocate_offload``, config/memory.py),
-nothing moves: both stay resident and the engines keep their KV cache and CUDA graphs.
+Colocated on GPUs (``cluster.colocate``), trainer and engines take turns with the GPU memory (``hand_gpus_to``),
+unless the memory plan fits both on one GPU together (``cluster.colocate_offload``, config/memory.py).
 
 Every phase runs inside ``timer.phase(<name>)`` (tracking/phases.py), which writes ``perf/<name>_time`` (s):
 rollout (the wait for a scored batch), offload (colocated memory moves), logprobs (old + ref forward, values),
@@ -286,11 +283,11 @@ class Session:
         return "done"
 
     def hand_gpus_to(self, holder: str, timer: StepTimer) -> None:
-        """Colocated on GPUs, trainer and engines take turns with the memory (slime's offload): "engines" (the
-        trainer's parameters and optimizer state go to the host; the engines resume) while generating, "trainer"
-        (the engines park their weights on the host) while training, "both" for the weight sync. Elsewhere
-        nothing moves. Timed as the ``offload`` phase; the trainer's GPU memory after the move (bytes, the largest
-        rank) is kept in ``self.trainer_gpu_bytes[holder]`` for tracking."""
+        """Colocated on GPUs, trainer and engines take turns with the memory (slime's offload): "engines" (trainer
+        parameters and optimizer state to pinned host memory; the engines resume) while generating, "trainer" (the
+        engines park their weights on the host) while training, "both" for the weight sync (CUDA IPC). Elsewhere,
+        and where both stay resident (``colocated_moves`` false: the engines keep KV cache and CUDA graphs), nothing
+        moves. Timed as ``offload``; the trainer's GPU memory after it (bytes, largest rank): trainer_gpu_bytes."""
         active = self.colocated_moves and None not in (self.trainer, self.manager)
         if not active or holder == self.gpu_holder:
             return
