@@ -71,6 +71,7 @@ from slime_hydra.reward import RewardScorer
 from slime_hydra.rollout.auth import API_KEY_FILE, new_api_key, write_private
 from slime_hydra.rollout.client import EngineError, EngineUnavailable, SGLangClient
 from slime_hydra.rollout.engine_pool import EnginePool
+from slime_hydra.rollout.engines.process import last_traceback
 from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, sampling_params
 from slime_hydra.rollout.router import Router, RouterError
 from slime_hydra.rollout.weight_relay import WeightRelay
@@ -163,6 +164,7 @@ class RolloutManager:
                                abort: Optional[asyncio.Event] = None) -> list[Sample]:
         """Run the generate function on one sample, retrying calls that could not reach an engine (see the module
         docstring); a sample still waiting for a slot when ``abort`` is set comes back aborted, unsent."""
+        first_error = None
         async with self.slots:
             for attempt in range(self.rollout.max_generate_retries + 1):
                 if abort is not None and abort.is_set():
@@ -179,6 +181,7 @@ class RolloutManager:
                         sample.metadata["error"] = f"{type(error).__name__}: {error}"
                         return [sample]
                     last_error, sample = error, before
+                    first_error = first_error or last_error
                 if not self.router.process.alive:  # no retry can help: stop, naming it
                     raise RouterError(f"the router (pid {self.router.process.pid}) exited with code "
                                       f"{self.router.process.popen.returncode}; last lines of its log "
@@ -191,9 +194,14 @@ class RolloutManager:
         raise EngineFailure(
             f"sample {sample.index} (group {sample.group_index}): /generate through the router {self.router.url} "
             f"could not reach an engine in {self.rollout.max_generate_retries + 1} attempts "
-            f"(rollout.max_generate_retries={self.rollout.max_generate_retries}); last error: {last_error}. "
-            f"Engines: {self.pool.down_report()}. Engine logs: engine_<i>.log; router log: "
-            f"{self.router.process.log_path}")
+            f"(rollout.max_generate_retries={self.rollout.max_generate_retries}); first error: {first_error}; "
+            f"last error: {last_error}. Engines: {self.pool.down_report()}. Engine logs: engine_<i>.log; router "
+            f"log: {self.router.process.log_path}{self._engine_tracebacks()}")
+
+    def _engine_tracebacks(self) -> str:
+        """Each engine log's last traceback: an engine that failed requests, or died, says why there."""
+        logs = sorted((self.run_dir / "logs").glob("engine_*.log"))
+        return "".join(f"\n{log.name}, its last traceback:\n{tail}" for log in logs if (tail := last_traceback(log)))
 
     async def _generate_group(self, group: list[Sample], params: dict,
                               abort: Optional[asyncio.Event] = None) -> list[Sample]:

@@ -7,6 +7,7 @@ import time
 import pytest
 import ray
 
+from slime_hydra.rollout.engines.process import last_traceback
 from slime_hydra.rollout.generate import default_generate
 from tests.rollout.helpers import manager_config, start_manager
 from tests.rollout.test_fault_tolerance import local_ray  # noqa: F401 -- the same module-wide Ray (autouse)
@@ -77,3 +78,15 @@ def test_reward_timeouts_are_counted(tmp_path):
         assert all(s["reward"] == 0.0 for s in batch["samples"])
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
+
+
+def test_last_traceback_is_the_logs_last_one_with_what_follows(tmp_path):
+    log = tmp_path / "engine_0.log"
+    assert last_traceback(log) == ""                                   # no log yet
+    log.write_text("started\nTraceback (most recent call last):\n  old\nValueError: first\nserving\n")
+    log.write_text(log.read_text() + "ERROR model step failed\nTraceback (most recent call last):\n  File x\n"
+                   "RuntimeError: CUDA error: an illegal memory access\nexiting\n")
+    assert last_traceback(log) == "  File x\nRuntimeError: CUDA error: an illegal memory access\nexiting\n"
+    assert last_traceback(log, n_chars=8) == "exiting\n"
+    log.write_text("no error here\n")
+    assert last_traceback(log) == ""

@@ -165,6 +165,10 @@ def test_generate_retries_after_a_restart_then_fails_naming_the_engine(tmp_path)
         message = str(raised.value)
         assert "EngineFailure" in message and "rollout.max_generate_retries=1" in message
         assert f"engine 0 ({urls[0]}): its process (pid {pid}) exited; the restart failed" in message
+        assert "first error: " in message and "last error: " in message
+        # the engine's own words: the restarted server could not bind its port
+        tail = message.split("engine_0.log, its last traceback:\n", 1)[1]
+        assert tail.startswith("  File ") and f"address ('127.0.0.1', {port}): address already in use" in tail
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
 

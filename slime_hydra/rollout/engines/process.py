@@ -168,3 +168,17 @@ def start_embedded_engine(model_path: str, timeout_s: float = 180.0, **kwargs) -
     except BaseException:
         engine.stop()
         raise
+
+
+TRACEBACK = "Traceback (most recent call last):\n"
+
+
+def last_traceback(log_path: Path, n_chars: int = 1500) -> str:
+    """The frames and error of the last Python traceback in a log, with what follows them (the last ``n_chars``);
+    "" when there is none. Its first line is left out: Ray rewrites that line in an actor error's text."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return ""
+    start = text.rfind(TRACEBACK)
+    return "" if start < 0 else text[start + len(TRACEBACK):][-n_chars:]
