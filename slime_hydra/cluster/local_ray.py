@@ -37,9 +37,10 @@ OWNER_FILE = "driver.pid"
 
 
 NO_DRAIN_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-"""For ``ray start``: on SIGTERM, Ray >= 2.5x marks its node draining and waits up to 30 s for the leases to come
-back before it stops its processes. Our nodes are stopped after the driver has ended its actors (nothing to drain),
-and the wait made every stop run into the SIGKILL grace period (10 s a run, measured on the CPU machine)."""
+"""For ``ray start``: on SIGTERM, Ray (2.60, ``_private/node.py``) marks its node draining and waits up to 30 s for
+the leases to come back before it stops its processes. Our nodes are stopped after the driver has ended its
+actors (nothing to drain), and the wait made every stop run into the SIGKILL grace period (10 s a run, measured on
+the CPU machine)."""
 
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", **NO_DRAIN_ENV}
 """What a run on one machine needs (docs/architecture.md "Machine facts"): Ray's cluster mode off, so the driver

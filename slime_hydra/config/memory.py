@@ -2,10 +2,10 @@
 
 ``plan_memory(cfg, d)`` gives, per GPU, the trainer rank's and the engine's peak (and, colocated, the GPU's: the two
 take turns, so the larger of the two plus what the other keeps; or, where ``cluster.colocate_offload`` resolves to
-no moves, both), and per node the host RAM (reference copies,
-offload buffers, parked engine weights, and on a CPU-only machine everything). ``memory_problems`` refuses a plan
-that does not fit ``cluster.gpu_memory_gb`` / the node's host RAM, with the numbers, the smallest GPU that fits and
-the overrides that would make it fit (each re-planned, so the list is true).
+no moves, both), and per node the host RAM (reference copies, offload buffers, parked engine weights, and on a
+CPU-only machine everything). ``memory_problems`` refuses a plan that does not fit ``cluster.gpu_memory_gb`` / the
+node's host RAM, with the numbers, the smallest GPU that fits and the overrides that would make it fit (each
+re-planned, so the list is true).
 
 Estimates, in bytes (P = parameters of this rank's shard, T = tokens of one micro-batch on this rank, K = the
 positions whose logits are computed, V = vocabulary, L = layers, H = hidden, F = MLP width, h / g / d = query
