@@ -233,7 +233,11 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: only this thread is barred from unsafe CUDA calls while it captures. A weight update
+        # receives its tensors in another thread while generation goes on (server.py; async mode), and under the
+        # default "global" mode its allocations and NCCL calls failed the capture ("operation not permitted when
+        # stream is capturing"). That thread works on its own streams, so it cannot leak into this graph.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self.forward(size, window)
         self.captures += 1
         return graph, logits
