@@ -8,10 +8,16 @@ policy-gradient loss over the response tokens, global batch of --samples x --seq
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_train.py --backend fsdp --steps 10       # DP=2
     PYTHONPATH=. python3 scripts/bench_train.py --backend megatron --model tiny --steps 3  # CPU smoke test (fp32)
     PYTHONPATH=. python3 scripts/bench_train.py --backend fsdp --model qwen3_30b_a3b --layers 4   # MoE, fewer layers
+    PYTHONPATH=. python3 scripts/bench_train.py --backend fsdp,fsdp-packed --samples 16 --responses 32:1024 \
+        --max-tokens 8192 --steps 10        # ragged responses: padded (length-sorted) against padding-free
 
-Every sample is --seq-tokens long: --prompt-tokens of prompt, the rest response (loss on every response token).
-Tokens/s counts all tokens of the global batch (prompt + response) per optimizer step, averaged over the steps
-after --warmup; MFU is the model FLOPs those tokens take (``flops_per_token``) over --peak-tflops per GPU; peak
+Every sample is --seq-tokens long: --prompt-tokens of prompt, the rest response (loss on every response token);
+with --responses LO:HI the responses are instead evenly spread from LO to HI tokens (a ragged RL batch).
+``fsdp-packed`` is train=fsdp with train.pack_sequences (padding-free micro-batches); --max-tokens sets
+train.max_tokens_per_gpu (padded: rows x longest row per micro-batch, rows sorted by length; packed: real tokens).
+Tokens/s counts all real tokens of the global batch (prompt + response, no padding) per optimizer step, averaged
+over the steps after --warmup; MFU is the model FLOPs those tokens take (``flops_per_token`` at each sample's
+length) over --peak-tflops per GPU; peak
 memory is torch.cuda.max_memory_allocated, the maximum over ranks (one backend per run only).
 Megatron runs TP over all ranks (--tp, default: all); FSDP runs DP over all ranks (each gets samples/world rows).
 
@@ -36,7 +42,7 @@ import yaml
 
 from slime_hydra.model.config import ModelConfig
 from slime_hydra.model.hf import build_random_checkpoint
-from slime_hydra.train.batch import collate, predicting_positions
+from slime_hydra.train.batch import collate, dp_shares, predicting_positions
 from slime_hydra.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,6 +240,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples per optimizer step (global batch)")
     parser.add_argument("--seq-tokens", type=int, default=1024, help="tokens per sample")
     parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens per sample (no loss)")
+    parser.add_argument("--responses", default=None, metavar="LO:HI",
+                        help="response lengths evenly spread from LO to HI tokens (default: all --seq-tokens long)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="train.max_tokens_per_gpu (token budget)")
     parser.add_argument("--micro-batch", type=int, default=None, help="samples per forward (default: all of a rank's)")
     parser.add_argument("--tp", type=int, default=None, help="megatron tensor-parallel size (default: world size)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
@@ -250,10 +259,9 @@ def main() -> None:
                              "time and the longest GPU-idle gaps with the host op running in each (rank 0)")
     args = parser.parse_args()
     names = args.backend.split(",")
-    if any(n not in ("megatron", "fsdp", "hf", "megatron-fused", "fsdp-fused", "megatron-loop") for n in names) \
-            or len(set(names)) < len(names):
-        parser.error(f"--backend takes megatron, fsdp, hf, megatron-fused, fsdp-fused and megatron-loop, each at most once; "
-                     f"got {args.backend!r}")
+    known = ("megatron", "fsdp", "hf", "megatron-fused", "fsdp-fused", "megatron-loop", "fsdp-packed")
+    if any(n not in known for n in names) or len(set(names)) < len(names):
+        parser.error(f"--backend takes {', '.join(known)}, each at most once; got {args.backend!r}")
 
     rank, world = init_process_group()
     if "hf" in names and world > 1:
@@ -266,11 +274,16 @@ def main() -> None:
     dist.barrier()
 
     g = torch.Generator().manual_seed(0)
-    response = args.seq_tokens - args.prompt_tokens
-    tokens = torch.randint(0, model.vocab_size, (args.samples, args.seq_tokens), generator=g).tolist()
+    if args.responses:
+        lo, hi = (int(x) for x in args.responses.split(":"))
+        responses = [round(lo + (hi - lo) * i / max(args.samples - 1, 1)) for i in range(args.samples)]
+    else:
+        responses = [args.seq_tokens - args.prompt_tokens] * args.samples
+    lengths = [args.prompt_tokens + r for r in responses]
+    tokens = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in lengths]
     advantages = (torch.randint(0, 2, (args.samples,), generator=g) * 2 - 1).float().tolist()
-    batch = collate(tokens, [response] * args.samples, [[1] * response] * args.samples, pad_id=0,
-                    extras={"advantages": [[a] * response for a in advantages]})
+    batch = collate(tokens, responses, [[1] * r for r in responses], pad_id=0,
+                    extras={"advantages": [[a] * r for a, r in zip(advantages, responses)]})
 
     total = args.warmup + args.steps
     backends, shares, layouts = {}, {}, {}
@@ -280,12 +293,13 @@ def main() -> None:
         dp = world // tp
         train = TrainConfig(backend="megatron" if megatron else "fsdp", num_gpus=world, tp=tp,
                             micro_batch_samples=args.micro_batch or args.samples // dp, lr=1e-6,
+                            max_tokens_per_gpu=args.max_tokens, pack_sequences=name == "fsdp-packed",
                             dtype="bf16" if cuda else "fp32", gradient_checkpointing=args.gradient_checkpointing,
                             compile={"auto": None, "on": True, "off": False}[args.compile],
                             cuda_graphs=args.cuda_graphs, compile_eager_numerics=not name.endswith("-fused"))
         backends[name] = build(name, path, train, total)
         dp_rank = getattr(backends[name], "dp_rank", rank)
-        shares[name] = batch.select(list(range(dp_rank, args.samples, dp)))
+        shares[name] = batch.select(dp_shares(batch, dp)[dp_rank])  # token-balanced, as the loop deals rows
         layouts[name] = (f"world={world} tp={tp} dp={dp} micro_batch={train.micro_batch_samples} "
                          f"compile={getattr(backends[name], 'compiled', False)} cuda_graphs={args.cuda_graphs}")
 
@@ -318,15 +332,16 @@ def main() -> None:
                         device="cuda" if cuda else "cpu")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        step_tokens = args.samples * args.seq_tokens
+        step_tokens = sum(lengths)
+        step_flops = sum(n * flops_per_token(model, n) for n in lengths)
         device = torch.cuda.get_device_name() if cuda else "cpu"
-        print(f"model={args.model} device={device} tokens/step={step_tokens} dtype={'bf16' if cuda else 'fp32'} "
+        print(f"model={args.model} device={device} tokens/step={step_tokens} (lengths {min(lengths)}..{max(lengths)}) dtype={'bf16' if cuda else 'fp32'} "
               f"torch={torch.__version__} rounds={args.steps} after {args.warmup} warmup")
         for name in names:
             t = times[name]
             step_s = statistics.mean(t)
             print(f"backend={name} {layouts[name]}")
-            mfu = flops_per_token(model, args.seq_tokens) * step_tokens / step_s / world / (args.peak_tflops * 1e12)
+            mfu = step_flops / step_s / world / (args.peak_tflops * 1e12)
             print(f"  step {step_s * 1000:.1f} ms (median {statistics.median(t) * 1000:.1f}, min {min(t) * 1000:.1f}) "
                   f"| {step_tokens / step_s:,.0f} tokens/s ({step_tokens / step_s / world:,.0f} per GPU, "
                   f"MFU {mfu:.1%} on the mean) "

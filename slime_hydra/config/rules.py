@@ -109,6 +109,10 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"train=fsdp is data parallel only, but tp={t.tp} pp={t.pp} cp={t.cp}",
                       "use train=megatron for tensor, pipeline or context parallelism, or set train.tp=1 "
                       "train.pp=1 train.cp=1")
+    if t.pack_sequences and t.backend != "fsdp":
+        yield Problem(("train.pack_sequences", "train.backend"),
+                      f"padding-free micro-batches are built for train=fsdp, not train={t.backend}",
+                      "set train.pack_sequences=false, or use train=fsdp")
     if m.num_attention_heads % t.tp:
         yield Problem(("train.tp", "model.num_attention_heads"),
                       f"model.num_attention_heads={m.num_attention_heads} is not divisible by train.tp={t.tp}",

@@ -11,6 +11,12 @@ logprob head are torch.compiled (fused norm / rotary / SwiGLU kernels); the laye
 wraps it, so FSDP's hooks stay eager around the compiled graphs; ``train.cuda_graphs`` replays the compiled layers
 as CUDA graphs. The LM head runs only from the first position that predicts a response token (``logits_to_keep``).
 
+Padding-free micro-batches (``train.pack_sequences``, train/packing.py): each micro-batch's sequences run as one
+row with variable-length attention, and the LM head only at the positions that predict response tokens; a token
+budget (``train.max_tokens_per_gpu``) then counts real tokens and balances them over the micro-batches. Under a
+token budget with several ranks, every rank runs as many micro-batches as the rank with the most (packing.
+split_to_count): FSDP's parameter gathers are collective per forward.
+
 Loss scaling (exact gradient accumulation and DP): the loss callable returns the mean loss of a micro-batch over
 its units (tokens for token_mean, sequences otherwise); the backend scales it by
 units(micro) / units(global batch, all ranks) * world_size, so after FSDP's gradient averaging over ranks the
@@ -54,6 +60,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.checkpoint import write_json
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, response_logprobs, response_values)
+from slime_hydra.train.packing import (ATTENTION, pack, packed_logprobs, packed_micro_batches, packed_values,
+                                       register_attention, split_to_count)
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.backend import (
     LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options, load_rank_file, rng_state, set_rng_state, write_rank_file,
@@ -81,13 +89,17 @@ class FSDPBackend(TrainBackend):
         self.role = role
         low = compute_dtype(train, self.device)
         self.lora = train.lora.enabled and role == "actor"
+        self.packed = train.pack_sequences
+        if self.packed:
+            register_attention()
+        attention = ATTENTION if self.packed else "sdpa"
         if role == "critic":  # PPO's value model: the same trunk with a fresh 1-output head ("score")
             config = AutoConfig.from_pretrained(model_path, num_labels=1, classifier_dropout=0.0)  # deterministic
             model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, dtype=torch.float32,
-                                                                    attn_implementation="sdpa")
+                                                                    attn_implementation=attention)
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=low if self.lora else torch.float32,
-                                                         attn_implementation="sdpa")
+                                                         attn_implementation=attention)
         if train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         hf = model
@@ -98,7 +110,8 @@ class FSDPBackend(TrainBackend):
         # MoE actors: every forward can replay the engine's routing (batch.routed_experts, algo.routing_replay)
         self.replay = RoutingReplay(hf.model.layers) if role == "actor" and moe_routers(hf.model.layers) else None
         self.compiled = train.compile if train.compile is not None else self.device.type == "cuda"
-        self._head = torch.compile(response_logprobs) if self.compiled else response_logprobs
+        head = packed_logprobs if self.packed else response_logprobs
+        self._head = torch.compile(head) if self.compiled else head
         if self.compiled:  # the forward only: FSDP's hooks (dynamo-disabled) run eagerly around it
             allow_recompiles(16)
             for layer in hf.model.layers:
@@ -127,10 +140,27 @@ class FSDPBackend(TrainBackend):
         self._save_group = None
 
     # ---- forward ----------------------------------------------------------------------------------------------
-    def _forward(self, mb: TrainBatch, first: int, temperature: float, with_entropy: bool):
+    def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+        """Row groups of this rank's batch (module docstring); [] marks a group run with zero weight."""
+        budget = self.train_cfg.max_tokens_per_gpu
+        if budget is None:
+            return micro_batches(batch, self.train_cfg.micro_batch_samples)
+        lengths = batch.attention_mask.sum(-1).tolist()
+        groups = packed_micro_batches(lengths, budget) if self.packed else micro_batches(batch, self.train_cfg.micro_batch_samples, budget)
+        if self.world > 1:
+            count = torch.tensor([len(groups)])
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            groups = split_to_count(groups, lengths, int(count))
+        return groups
+
+    def _forward(self, host: TrainBatch, mb: TrainBatch, temperature: float, with_entropy: bool):
         """Actor: (logp, entropy) of the response tokens. Critic: (values, None). All [B, T].
 
-        ``first``: first_predicting_position of the micro-batch, taken on the host (no device sync)."""
+        ``host``: the micro-batch on the host, ``mb`` the same on the device; layouts come from the host copy (no
+        device sync)."""
+        if self.packed:
+            return self._forward_packed(pack(host).to(self.device), temperature, with_entropy)
+        first = first_predicting_position(host)
         if self.role == "critic":
             out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
             return response_values(out, mb), None
@@ -139,6 +169,14 @@ class FSDPBackend(TrainBackend):
             out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
                              logits_to_keep=keep).logits
         return self._head(out, mb, temperature, with_entropy, first)
+
+    def _forward_packed(self, packed, temperature: float, with_entropy: bool):
+        """_forward on a packed micro-batch (packing.PackedBatch): the logits of the kept positions only."""
+        if self.role == "critic":
+            return packed_values(self.model(**packed.model_kwargs(), use_cache=False).logits, packed), None
+        with self.replay.replaying(packed.routed_experts) if self.replay is not None else nullcontext():
+            out = self.model(**packed.model_kwargs(), use_cache=False, logits_to_keep=packed.keep).logits
+        return self._head(out, packed, temperature, with_entropy)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, policy: str = "current", temperature: float = 1.0,
@@ -151,10 +189,11 @@ class FSDPBackend(TrainBackend):
         with self._policy(policy), self._computing():
             self.model.eval()
             filled = BatchLogprobs(batch, self.device, with_entropy)
-            for idx in micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu):
-                mb = batch.select(idx)
-                filled.put(idx, *self._forward(mb.to(self.device), first_predicting_position(mb), temperature,
-                                               with_entropy))
+            for idx in self._micro_batches(batch):
+                host = batch.select(idx or [0])
+                out = self._forward(host, host.to(self.device), temperature, with_entropy)
+                if idx:
+                    filled.put(idx, *out)
             if self.fsdp:
                 self.model.reshard()  # FSDP2 keeps the root's parameters unsharded after a forward without backward
         return filled.host()
@@ -171,23 +210,24 @@ class FSDPBackend(TrainBackend):
                    with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; returns averaged metrics + grad_norm, lr."""
         self.model.train()
-        groups = micro_batches(batch, self.train_cfg.micro_batch_samples, self.train_cfg.max_tokens_per_gpu)
+        groups = self._micro_batches(batch)
         total_units = loss_units(batch.loss_mask, self.loss_agg).to(torch.float64)
         dist.all_reduce(total_units)
         step_metrics = StepMetrics()
         with self._computing():
             for k, idx in enumerate(groups):
-                host = batch.select(idx)  # weights and positions from host tensors: no device sync inside the loop
-                weight = float(loss_units(host.loss_mask, self.loss_agg)) / float(total_units)
+                host = batch.select(idx or [0])  # weights and positions from host tensors: no device sync in the loop
+                weight = float(loss_units(host.loss_mask, self.loss_agg)) / float(total_units) if idx else 0.0
                 mb = host.to(self.device)
                 if self.fsdp:
                     self.model.set_requires_gradient_sync(k == len(groups) - 1)
-                logp, entropy = self._forward(mb, first_predicting_position(host), temperature, with_entropy)
+                logp, entropy = self._forward(host, mb, temperature, with_entropy)
                 loss, metrics = loss_fn(logp, entropy, mb)
                 (loss * weight * self.world).backward()
                 if self._compute is not None:
                     self._compute.accumulate_grads()
-                step_metrics.add(metrics, weight)
+                if idx:
+                    step_metrics.add(metrics, weight)
         max_norm = self.train_cfg.clip_grad if self.train_cfg.clip_grad > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], max_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm

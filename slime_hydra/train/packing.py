@@ -1,0 +1,191 @@
+"""Padding-free micro-batches (``train.pack_sequences``, train=fsdp): a micro-batch's sequences concatenated into one
+row, attention kept inside each sequence by variable-length attention, the LM head run only where a response token
+is predicted.
+
+Layout of a micro-batch of b samples (sample i: n_i = P_i + R_i tokens, offset o_i = n_0 + ... + n_{i-1}, N = sum n_i):
+
+    input_ids     [1, N]   the samples' tokens, back to back (no padding)
+    position_ids  [1, N]   0 .. n_i - 1 within each sample (RoPE restarts per sample)
+    cu_seqlens    [b + 1]  int32 sequence boundaries o_0 = 0, o_1, ..., N (flash attention's varlen layout)
+    keep          [K]      K = sum R_i positions o_i + P_i - 1 + j whose outputs predict response token j, ascending
+    targets       [K]      the token each kept position predicts (input_ids[keep + 1])
+    index, valid  [b, T]   column j of row i is kept entry (R_0 + ... + R_{i-1}) + j, valid while j < R_i
+
+So a packed micro-batch costs sum n_i positions (a padded one b * max n_i) and the LM head, whose vocabulary
+projection is the largest matmul of a small model, runs on the K response positions only. Outputs come back in the
+padded [b, T] layout (train/batch.py), so losses and BatchLogprobs see no difference.
+
+Attention (``packed_attention``, registered with transformers as ATTENTION): on CUDA in bf16/fp16, torch's
+``varlen_attn`` (FlashAttention-2 on cu_seqlens: cost sum n_i^2, nothing across samples); elsewhere (the CPU
+tests, fp32, query and value heads of different widths as in multi-latent attention) torch SDPA under a
+block-diagonal causal mask, N^2 but exact. Written here: transformers' own packed path (position_ids without an
+attention mask) builds that dense N^2 mask for SDPA and reaches varlen kernels only through the flash-attn package,
+which these machines do not have.
+"""
+
+import inspect
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from slime_hydra.train.batch import TrainBatch, to_device
+
+ATTENTION = "slime_packed"
+"""The attn_implementation name of ``packed_attention`` in transformers' AttentionInterface."""
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_length: int
+    keep: torch.Tensor
+    targets: torch.Tensor
+    index: torch.Tensor
+    valid: torch.Tensor
+    routed_experts: Optional[torch.Tensor] = None
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        moved = {k: (to_device(v, device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return PackedBatch(**moved)
+
+    def model_kwargs(self) -> dict:
+        """What the transformers forward takes (the cu_seqlens reach every attention call as keyword arguments)."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "cu_seq_lens_q": self.cu_seqlens,
+                "cu_seq_lens_k": self.cu_seqlens, "max_length_q": self.max_length, "max_length_k": self.max_length}
+
+
+def pack(mb: TrainBatch) -> PackedBatch:
+    """The packed layout (module docstring) of a host micro-batch."""
+    lengths = mb.attention_mask.sum(-1).tolist()
+    starts, responses = mb.response_start.tolist(), mb.response_lengths.tolist()
+    if min(starts) < 1:
+        raise ValueError("packing needs at least one prompt token per sample (the first response token is predicted "
+                         "by the position before it)")
+    ids = torch.cat([mb.input_ids[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    keep = torch.cat([torch.arange(o + p - 1, o + p - 1 + r) for o, p, r in zip(offsets, starts, responses)])
+    first_kept = torch.tensor([0] + responses[:-1]).cumsum(0)
+    cols = torch.arange(mb.loss_mask.shape[1])
+    valid = cols.unsqueeze(0) < torch.tensor(responses).unsqueeze(1)
+    index = torch.where(valid, first_kept.unsqueeze(1) + cols, 0)
+    routed = None
+    if mb.routed_experts is not None:
+        routed = torch.cat([mb.routed_experts[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
+    return PackedBatch(ids, positions, torch.tensor(offsets, dtype=torch.int32), max(lengths), keep,
+                       ids[0, keep + 1], index, valid, routed)
+
+
+def packed_logprobs(logits: torch.Tensor, packed: PackedBatch, temperature: float = 1.0,
+                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, T] logprobs (and entropy) from the logits [1, K, V] of the kept positions; 0 where not valid.
+
+    logp = z[k, y_k] - logsumexp_v z[k, v], z = logits / temperature, y_k = targets[k]; entropy as
+    batch.response_logprobs."""
+    z = logits[0].float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    per_position = torch.gather(z, -1, packed.targets.unsqueeze(-1)).squeeze(-1) - lse
+    logp = per_position[packed.index] * packed.valid
+    entropy = None
+    if with_entropy:
+        expected_z = (torch.softmax(z, dim=-1) * z).sum(-1)
+        entropy = (lse - expected_z)[packed.index] * packed.valid
+    return logp, entropy
+
+
+def packed_values(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """[b, T] critic values V(s_j) from the per-position values [1, N, 1]; 0 where not valid."""
+    return values[0, :, 0].float()[packed.keep][packed.index] * packed.valid
+
+
+def _has_gqa() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None, dropout: float = 0.0,
+                     sliding_window: Optional[int] = None, cu_seq_lens_q: Optional[torch.Tensor] = None,
+                     max_length_q: Optional[int] = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function protocol: query [1, Hq, N, d], key/value [1, Hkv, N, d(v)] of a packed row
+    -> ([1, N, Hq, dv], None); causal within each sequence of ``cu_seq_lens_q``."""
+    if cu_seq_lens_q is None:
+        raise ValueError("packed attention needs cu_seq_lens_q (train.pack_sequences runs packed micro-batches only)")
+    if sliding_window is not None:
+        raise ValueError("train.pack_sequences does not support sliding-window attention layers")
+    if dropout:
+        raise ValueError("packed attention has no dropout")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, d]
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == v.shape[-1]:
+        from torch.nn.attention.varlen import varlen_attn
+
+        gqa = {}
+        if k.shape[1] != q.shape[1]:
+            if _has_gqa():
+                gqa = {"enable_gqa": True}
+            else:
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
+                          window_size=(-1, 0), **gqa)
+        return out.unsqueeze(0), None
+    n = q.shape[0]
+    position = torch.arange(n, device=q.device)
+    sample = torch.searchsorted(cu_seq_lens_q[1:].to(q.device), position, right=True)
+    mask = (sample.unsqueeze(1) == sample.unsqueeze(0)) & (position.unsqueeze(1) >= position.unsqueeze(0))
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                           enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2), None
+
+
+def register_attention() -> None:
+    """Make ``attn_implementation=ATTENTION`` available to transformers models (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, packed_attention)
+
+
+def packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row groups of at most ``max_tokens`` tokens in all (a row longer than that alone), balanced by tokens: rows,
+    longest first, go to the group with the fewest tokens among those with room, a new group when none has;
+    ceil(total / max_tokens) groups to start with. Ties to the lower group and row (deterministic on every rank)."""
+    groups: list[list[int]] = [[] for _ in range(max(-(-sum(lengths) // max_tokens), 1))]
+    tokens = [0] * len(groups)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [g for g in range(len(groups)) if tokens[g] + lengths[i] <= max_tokens or not groups[g]]
+        if not fits:
+            groups.append([])
+            tokens.append(0)
+            fits = [len(groups) - 1]
+        g = min(fits, key=lambda g: (tokens[g], g))
+        groups[g].append(i)
+        tokens[g] += lengths[i]
+    return [sorted(g) for g in groups if g]
+
+
+def split_to_count(groups: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+    """``groups`` split until there are ``count`` of them (a rank with fewer micro-batches than its data-parallel
+    peers: FSDP gathers the parameters once per forward on every rank together, so every rank runs the same number).
+    The group with the most tokens among those of two rows or more splits in two, its rows longest first each to
+    the half with fewer tokens; when every group is a single row, empty groups ([]) make up the rest (the caller runs
+    them with zero weight)."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        splittable = [g for g in range(len(groups)) if len(groups[g]) > 1]
+        if not splittable:
+            return groups + [[] for _ in range(count - len(groups))]
+        g = max(splittable, key=lambda g: (sum(lengths[i] for i in groups[g]), -g))
+        halves, tokens = [[], []], [0, 0]
+        for i in sorted(groups[g], key=lambda i: (-lengths[i], i)):
+            h = 0 if tokens[0] <= tokens[1] else 1
+            halves[h].append(i)
+            tokens[h] += lengths[i]
+        groups[g:g + 1] = [sorted(h) for h in halves]
+    return groups
