@@ -13,13 +13,13 @@ policy-gradient loss over the response tokens, global batch of --samples x --seq
 
 Every sample is --seq-tokens long: --prompt-tokens of prompt, the rest response (loss on every response token);
 with --responses LO:HI the responses are instead evenly spread from LO to HI tokens (a ragged RL batch).
-``fsdp-packed`` is train=fsdp with train.pack_sequences (padding-free micro-batches); --max-tokens sets
+``fsdp-packed`` / ``megatron-packed`` are the backends with train.pack_sequences (padding-free micro-batches); --max-tokens sets
 train.max_tokens_per_gpu (padded: rows x longest row per micro-batch, rows sorted by length; packed: real tokens).
 Tokens/s counts all real tokens of the global batch (prompt + response, no padding) per optimizer step, averaged
 over the steps after --warmup; MFU is the model FLOPs those tokens take (``flops_per_token`` at each sample's
 length) over --peak-tflops per GPU; peak
 memory is torch.cuda.max_memory_allocated, the maximum over ranks (one backend per run only).
-Megatron runs TP over all ranks (--tp, default: all); FSDP runs DP over all ranks (each gets samples/world rows).
+Megatron runs TP over all ranks (--tp, default: all); FSDP runs DP over all ranks (rows dealt by batch.dp_shares).
 
 Several backends (comma-separated) live in one process and take turns, one step each per round (the order rotates
 every round), and the figures include each one's time relative to the first: the GPU machines' speed drifts by the
@@ -259,7 +259,7 @@ def main() -> None:
                              "time and the longest GPU-idle gaps with the host op running in each (rank 0)")
     args = parser.parse_args()
     names = args.backend.split(",")
-    known = ("megatron", "fsdp", "hf", "megatron-fused", "fsdp-fused", "megatron-loop", "fsdp-packed")
+    known = ("megatron", "fsdp", "hf", "megatron-fused", "fsdp-fused", "megatron-loop", "fsdp-packed", "megatron-packed")
     if any(n not in known for n in names) or len(set(names)) < len(names):
         parser.error(f"--backend takes {', '.join(known)}, each at most once; got {args.backend!r}")
 
@@ -293,7 +293,7 @@ def main() -> None:
         dp = world // tp
         train = TrainConfig(backend="megatron" if megatron else "fsdp", num_gpus=world, tp=tp,
                             micro_batch_samples=args.micro_batch or args.samples // dp, lr=1e-6,
-                            max_tokens_per_gpu=args.max_tokens, pack_sequences=name == "fsdp-packed",
+                            max_tokens_per_gpu=args.max_tokens, pack_sequences=name.endswith("-packed"),
                             dtype="bf16" if cuda else "fp32", gradient_checkpointing=args.gradient_checkpointing,
                             compile={"auto": None, "on": True, "off": False}[args.compile],
                             cuda_graphs=args.cuda_graphs, compile_eager_numerics=not name.endswith("-fused"))

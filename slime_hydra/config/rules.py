@@ -109,9 +109,10 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"train=fsdp is data parallel only, but tp={t.tp} pp={t.pp} cp={t.cp}",
                       "use train=megatron for tensor, pipeline or context parallelism, or set train.tp=1 "
                       "train.pp=1 train.cp=1")
-    if t.pack_sequences and t.backend != "fsdp":
-        yield Problem(("train.pack_sequences", "train.backend"),
-                      f"padding-free micro-batches are built for train=fsdp, not train={t.backend}",
+    if t.pack_sequences and t.backend == "megatron" and (t.cp > 1 or t.pp > 1 or m.is_mla):
+        yield Problem(("train.pack_sequences", "train.cp", "train.pp"),
+                      f"train=megatron packs sequences with cp=1, pp=1 and no multi-latent attention, not cp={t.cp} "
+                      f"pp={t.pp}{' with multi-latent attention' if m.is_mla else ''}",
                       "set train.pack_sequences=false, or use train=fsdp")
     if m.num_attention_heads % t.tp:
         yield Problem(("train.tp", "model.num_attention_heads"),

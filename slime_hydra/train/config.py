@@ -152,9 +152,9 @@ class TrainConfig:
     max_tokens_per_gpu: Optional[int] = positive(None)
     """Dynamic micro-batching: pack sequences up to this many tokens per forward; null uses micro_batch_samples."""
     pack_sequences: bool = False
-    """Padding-free micro-batches (train=fsdp): a micro-batch's sequences run back to back as one row with
-    variable-length attention, and the LM head only where a response token is predicted (train/packing.py). With
-    max_tokens_per_gpu the budget counts real tokens, balanced over the micro-batches."""
+    """Padding-free micro-batches: a micro-batch's sequences run back to back as one row with variable-length
+    attention, and the LM head only where a response token is predicted (train/packing.py; train=megatron with cp=1,
+    pp=1). With max_tokens_per_gpu the budget counts real tokens, balanced over the micro-batches."""
     lr: float = positive(1e-6)
     """Peak learning rate of the policy."""
     critic_lr: float = positive(1e-5)

@@ -124,6 +124,13 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if dropout:
         raise ValueError("packed attention has no dropout")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, d]
+    return varlen_causal(q, k, v, cu_seq_lens_q, max_length_q, scaling).unsqueeze(0), None
+
+
+def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int,
+                  scale: Optional[float]) -> torch.Tensor:
+    """Causal attention inside each sequence of a packed row: q [N, Hq, d], k [N, Hkv, d], v [N, Hkv, dv] ->
+    [N, Hq, dv] (Hkv divides Hq: grouped-query attention). Both backends' packed attention (module docstring)."""
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == v.shape[-1]:
         from torch.nn.attention.varlen import varlen_attn
 
@@ -131,18 +138,24 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if k.shape[1] != q.shape[1]:
             if _has_gqa():
                 gqa = {"enable_gqa": True}
-            else:
+            else:  # torch 2.11's varlen_attn takes as many key/value heads as query heads
                 k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
-                          window_size=(-1, 0), **gqa)
-        return out.unsqueeze(0), None
-    n = q.shape[0]
-    position = torch.arange(n, device=q.device)
-    sample = torch.searchsorted(cu_seq_lens_q[1:].to(q.device), position, right=True)
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale,
+                           window_size=(-1, 0), **gqa)
+    position = torch.arange(q.shape[0], device=q.device)
+    sample = torch.searchsorted(cu_seqlens[1:].to(q.device), position, right=True)
     mask = (sample.unsqueeze(1) == sample.unsqueeze(0)) & (position.unsqueeze(1) >= position.unsqueeze(0))
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                                           enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2), None
+    out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+                                                           attn_mask=mask, scale=scale,
+                                                           enable_gqa=k.shape[1] != q.shape[1])  # [1, H, N, d]
+    return out[0].transpose(0, 1)
+
+
+def sequence_positions(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] position of each token of a packed row within its own sequence (0 at every sequence's start)."""
+    position = torch.arange(n, device=cu_seqlens.device)
+    sample = torch.searchsorted(cu_seqlens[1:], position, right=True)
+    return position - cu_seqlens[sample]
 
 
 def register_attention() -> None:

@@ -212,7 +212,9 @@ INVALID = [
       "train.micro_batch_samples=1", "train.global_batch_samples=3", "rollout.batch_prompts=3",
       "rollout.n_samples_per_prompt=2", "train.optimizer_steps_per_rollout=2"), "model.vocab_size", "divisible"),
     (("train=megatron", "train.tp=2"), "train.num_gpus", "multiple of 2"),  # was a ZeroDivisionError
-    (("train=megatron", "train.pack_sequences=true"), "train.pack_sequences", "use train=fsdp"),
+    (("train=megatron", "train.num_gpus=2", "train.pp=2", "train.pack_sequences=true"), "train.pack_sequences",
+     "cp=1, pp=1"),
+    ((*DSV3, "train=megatron", "train.pack_sequences=true"), "train.pack_sequences", "multi-latent attention"),
     # ranges on the field
     (("rollout.temperature=-0.5",), "rollout.temperature", ">= 0"),
     (("rollout.top_p=0",), "rollout.top_p", "in (0, 1]"),

@@ -83,8 +83,13 @@ trains without one, so the two are compared with it off.
 Routing replay (algo.routing_replay): a batch with ``routed_experts`` routes every MoE layer's tokens to the experts
 the engine chose (moe.ReplayedChoice), in every forward; PPO's critic routes itself.
 
-Not supported: LoRA on routed experts (on a MoE model's attention it works); ring attention or packed (THD)
-sequences under CP.
+Padding-free micro-batches (``train.pack_sequences``, train/packing.py; cp = pp = 1, no sequence parallelism, no
+multi-latent attention): each micro-batch runs as one row in megatron's THD format (``PackedSeqParams`` with the
+sequences' cu_seqlens, b = 1); spec.SelfAttention rotates each token by its position in its own sequence and
+SDPACoreAttention attends within it; the output layer runs on the positions that predict response tokens only.
+
+Not supported: LoRA on routed experts (on a MoE model's attention it works); ring attention or packed sequences
+under CP.
 """
 
 from contextlib import nullcontext
@@ -99,6 +104,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.routed_experts import NO_EXPERT
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, predicting_positions, response_logprobs, response_values)
+from slime_hydra.train.packing import PackedBatch, pack, packed_logprobs, packed_micro_batches, packed_values
 from slime_hydra.train.config import TrainConfig, megatron_lora_problems, megatron_moe_problems
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.megatron import checkpoint
@@ -173,6 +179,11 @@ class MegatronBackend(TrainBackend):
                          **overrides}
         config = transformer_config(self.arch, tp=train.tp, pp=train.pp, cp=train.cp, device=self.device.type,
                                     use_te=use_te, overrides=overrides, ep=train.ep)
+        self.packed = train.pack_sequences
+        if self.packed and (train.cp > 1 or train.pp > 1 or config.sequence_parallel or self.arch.is_mla):
+            raise ValueError("train.pack_sequences with train=megatron needs train.cp=1, train.pp=1, no "
+                             "sequence_parallel and no multi-latent attention")
+        self._packed: PackedBatch | None = None  # the packed layout of the micro-batch in flight
         self.model = build_model(self.arch, config, use_te, self.device, head=self.head)
         load_hf_weights(self.model, model_path, self.arch, head=self.head)
         self._routers = {layer.layer_number - 1: layer.mlp.router for layer in self.model.decoder.layers
@@ -201,7 +212,8 @@ class MegatronBackend(TrainBackend):
             allow_recompiles(2 * len(self.model.decoder.layers) + 8)  # room for a guard on a per-layer attribute
             for layer in self.model.decoder.layers:
                 layer.forward = torch.compile(layer.forward, options=compile_options(train))
-        self._lm_logprobs = (torch.compile(response_logprobs) if self.compiled else response_logprobs)
+        head = packed_logprobs if self.packed else response_logprobs
+        self._lm_logprobs = torch.compile(head) if self.compiled else head
         self._keep_from = 0  # the LM head's first position (set per micro-batch; cp=1 only)
         if self.last_stage and self.head == "lm" and self.cp_size == 1 and not config.sequence_parallel:
             self.model.output_layer.register_forward_pre_hook(self._head_input)
@@ -256,8 +268,11 @@ class MegatronBackend(TrainBackend):
         row 0 with their outputs dropped and a zero loss. Every stage of a replica gets the same count (its EP
         group holds the same DP ranks)."""
         budget = self.train_cfg.max_tokens_per_gpu
-        groups = micro_batches(batch, self.train_cfg.micro_batch_samples,
-                               None if budget is None else budget * self.cp_size)
+        if self.packed and budget is not None:
+            groups = packed_micro_batches(batch.attention_mask.sum(-1).tolist(), budget)
+        else:
+            groups = micro_batches(batch, self.train_cfg.micro_batch_samples,
+                                   None if budget is None else budget * self.cp_size)
         if self.ep_size > 1:
             count = torch.tensor([len(groups)], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ep_group)
@@ -269,6 +284,8 @@ class MegatronBackend(TrainBackend):
         stage but the last, whose output is [B, L, V / tp] logits (actor) or [B, L, 1] values (critic). ``hidden``:
         the previous stage's. With cp > 1, L is this rank's chunks of the padded sequence (context_parallel.py);
         right padding + causal attention: real tokens never see the padding."""
+        if self.packed:
+            return self._stage_packed(host)
         if self.last_stage and self.head == "lm" and self.cp_size == 1:
             self._keep_from = first_predicting_position(host)  # from the host batch
         ids = self._padded_ids(mb)
@@ -279,13 +296,24 @@ class MegatronBackend(TrainBackend):
             low = self._compute.dtype if self._compute is not None else hidden.dtype
             self.model.set_input_tensor(hidden.to(low))  # pipeline activations travel in fp32
         if self._routers:
-            self._route_as_engine(mb)
+            self._route_as_engine(mb.routed_experts)
         return self.model(ids, positions, None)
 
-    def _route_as_engine(self, mb: TrainBatch) -> None:
+    def _stage_packed(self, host: TrainBatch) -> torch.Tensor:
+        """_stage on the micro-batch packed into one row (cp = pp = 1): [1, K, V / tp] logits of the positions that
+        predict response tokens (actor), [1, N, 1] values (critic)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        self._packed = packed = pack(host).to(self.device)
+        if self._routers:
+            self._route_as_engine(packed.routed_experts)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
+                                 max_seqlen_q=packed.max_length, max_seqlen_kv=packed.max_length)
+        return self.model(packed.input_ids, packed.position_ids, None, packed_seq_params=params)
+
+    def _route_as_engine(self, experts: torch.Tensor | None) -> None:
         """Routing replay: each MoE router of this stage takes the micro-batch's routed experts for its layer
         (moe.ReplayedChoice), in the [s, b] order of this rank's CP chunks; a batch without them routes anew."""
-        experts = mb.routed_experts
         if experts is not None and self.cp_size > 1:
             tail = padded_length(experts.shape[1], self.cp_size) - experts.shape[1]
             experts = torch.cat([experts, experts.new_full((experts.shape[0], tail, *experts.shape[2:]), NO_EXPERT)], 1)
@@ -295,9 +323,11 @@ class MegatronBackend(TrainBackend):
             router.router_replay.target = None if flat is None else flat[:, layer]
 
     def _head_input(self, module, args):
-        """Forward pre-hook of the output layer: hidden states [s, b, H] from the first predicting position on,
-        batch-major ([b, s', H], a small copy), so the logits come out [b, s', V / tp] contiguous."""
-        return (args[0][self._keep_from:].transpose(0, 1).contiguous(),) + tuple(args[1:])
+        """Forward pre-hook of the output layer: hidden states [s, b, H] from the first predicting position on
+        (a packed row: at its kept positions), batch-major ([b, s', H], a small copy), so the logits come out
+        [b, s', V / tp] contiguous."""
+        hidden = args[0][self._packed.keep] if self.packed else args[0][self._keep_from:]
+        return (hidden.transpose(0, 1).contiguous(),) + tuple(args[1:])
 
     @staticmethod
     def _head_output(module, args, output):
@@ -312,6 +342,8 @@ class MegatronBackend(TrainBackend):
         (values, None)."""
         if self.cp_size > 1:
             return self._head_context_parallel(out, mb, temperature, with_entropy)
+        if self.packed:
+            return self._head_packed(out, temperature, with_entropy)
         if self.head == "value":
             return response_values(out, mb), None
         first = self._keep_from  # out[:, k] is the output at position first + k
@@ -326,6 +358,20 @@ class MegatronBackend(TrainBackend):
         targets = torch.gather(mb.input_ids, 1, (pos + 1).clamp(max=length - 1))
         logp, entropy = vocab_parallel_logprobs(picked, targets, self.vocab_start, self.tp_group, with_entropy)
         return logp * valid, (entropy * valid if with_entropy else None)
+
+    def _head_packed(self, out: torch.Tensor, temperature: float, with_entropy: bool):
+        """_head of a packed micro-batch (``self._packed``): out is [1, K, V / tp] logits of the kept positions, or
+        [1, N, 1] values."""
+        packed = self._packed
+        if self.head == "value":
+            return packed_values(out, packed), None
+        if self.tp_size == 1:
+            return self._lm_logprobs(out, packed, temperature, with_entropy)
+        logits = out.float() / temperature if temperature != 1.0 else out.float()
+        logp, entropy = vocab_parallel_logprobs(logits, packed.targets.unsqueeze(0), self.vocab_start, self.tp_group,
+                                                with_entropy)
+        return (logp[0][packed.index] * packed.valid,
+                entropy[0][packed.index] * packed.valid if with_entropy else None)
 
     def _head_context_parallel(self, out: torch.Tensor, mb: TrainBatch, temperature: float, with_entropy: bool):
         """_head from this CP rank's chunks ([B, L / cp, .]): the per-position logprobs (and entropy) of every local

@@ -39,6 +39,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from slime_hydra.train.megatron.context_parallel import gather_sequence, split_sequence
 from slime_hydra.train.megatron.moe import GroupedExperts, MoE, Router
+from slime_hydra.train.packing import sequence_positions, varlen_causal
 
 
 @torch.library.custom_op("slime_hydra::rope_table", mutates_args=())
@@ -80,7 +81,9 @@ class SelfAttention(MegatronSelfAttention):
       whole heads (d = 64 contiguous channels) and load vectors; with 448-wide runs (7 query heads) they did not.
     The rotation and split kernels, forward + backward, per layer: 131 us with megatron's forward, 47 us with this
     one (tables included; transformers' rotation in train=fsdp: 31 us).
-    The training path only: inference contexts, packed (THD) sequences, output gates, per-layer no-RoPE and
+    Packed rows (train.pack_sequences: ``packed_seq_params`` in the THD format, b = 1) rotate each token by its
+    position within its own sequence and attend within it (SDPACoreAttention).
+    The training path only: inference contexts, other packed formats, output gates, per-layer no-RoPE and
     recomputed core attention go to megatron's forward, as do fewer query groups than TP ranks to its split."""
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
@@ -105,7 +108,9 @@ class SelfAttention(MegatronSelfAttention):
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
-        if (inference_context is not None or inference_params is not None or packed_seq_params is not None
+        packed = packed_seq_params is not None
+        if (inference_context is not None or inference_params is not None
+                or (packed and packed_seq_params.qkv_format != "thd")
                 or not isinstance(rotary_pos_emb, torch.Tensor) or self.config.attention_output_gate
                 or self.config.no_rope_freq or self.checkpoint_core_attention):
             return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
@@ -113,11 +118,13 @@ class SelfAttention(MegatronSelfAttention):
                                    attention_bias, packed_seq_params, sequence_len_offset,
                                    inference_params=inference_params)
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        if packed:  # the table's row of each token's position in its sequence
+            rotary_pos_emb = rotary_pos_emb[sequence_positions(packed_seq_params.cu_seqlens_q, query.shape[0])]
         cos, sin = rope_table(rotary_pos_emb, query.dtype)
         query = rotate(query, cos, sin, self.config.rotary_interleaved)
         key = rotate(key, cos, sin, self.config.rotary_interleaved)
         out = self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
-                                  attention_bias=attention_bias)
+                                  attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         return self.linear_proj(out)
 
 
@@ -127,7 +134,8 @@ class SDPACoreAttention(MegatronModule):
     Takes megatron's layout: query [s, b, heads, d], key [s, b, groups, d], value [s, b, groups, d_v] (this TP
     rank's heads; d_v != d for multi-latent attention, whose layer passes k_channels / v_channels and its softmax
     scale), and an optional boolean mask broadcastable to [b, 1, s, s] with True = masked out. Returns
-    [s, b, heads * d_v].
+    [s, b, heads * d_v]. A packed row (``packed_seq_params``, THD, b = 1) attends causally within each sequence
+    (packing.varlen_causal).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
@@ -147,9 +155,15 @@ class SDPACoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPACoreAttention takes padded [s, b] batches without attention bias")
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention takes batches without attention bias")
         s, b = query.shape[0], query.shape[1]
+        if packed_seq_params is not None:
+            if self.cp_group is not None or attention_mask is not None or (self.dropout and self.training):
+                raise ValueError("packed rows take causal attention without a mask, dropout or context parallelism")
+            out = varlen_causal(query[:, 0], key[:, 0], value[:, 0], packed_seq_params.cu_seqlens_q,
+                                packed_seq_params.max_seqlen_q, self.scale)
+            return out.reshape(s, b, -1)
         if self.cp_group is not None:
             return self._context_parallel(query, key, value, attention_mask).permute(2, 0, 1, 3).reshape(s, b, -1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
