@@ -3,6 +3,7 @@
 On a tiny Qwen3-MoE (3 layers, the middle one dense; 4 experts, top-2; fp32 on CPU), and for the sigmoid router's
 weights a tiny GLM-4.5 (grouped router, routed scaling, a shared expert; tests/train/test_megatron_moe_families.py):
 - replaying the model's own routing changes nothing (bit for bit on both backends);
+- packed rows (train.pack_sequences) replay it as padded ones do, on both backends;
 - an arbitrary routing (random experts per token and layer, some positions left to the router) moves the logprobs,
   and train=fsdp (transformers' routers, train/routing_replay.py) and train=megatron (megatron's top-k with
   moe.ReplayedChoice) agree on its logprobs and on three training steps (loss, grad norm), on GLM-4.5 on its
@@ -85,6 +86,8 @@ def _one_rank(rank, world, path, engine_batch, near_ties, glm):
         backend = cls(path, TrainConfig(**CFG), total_steps=3)
         out[name] = {"plain": backend.logprobs(batch)[0], "own": backend.logprobs(own)[0],
                      "forced": backend.logprobs(forced)[0], "steps": _steps(backend, forced)}
+        packed = cls(path, TrainConfig(**CFG, pack_sequences=True), total_steps=3)
+        out[name]["packed"] = {"forced": packed.logprobs(forced)[0], "steps": _steps(packed, forced)}
     glm_forced = with_routing(toy_batch(), forced_routing(batch, layers=3, top_k=4, num_experts=8, sparse=(1, 2)))
     for name, cls in (("fsdp", FSDPBackend), ("megatron", MegatronBackend)):  # layer 0 dense; 8 experts, top-4
         backend = cls(glm, TrainConfig(**CFG), total_steps=1)
@@ -189,6 +192,16 @@ def test_fsdp_and_megatron_replay_an_arbitrary_routing_alike(one_rank):
     glm = out["fsdp"]["glm"], out["megatron"]["glm"]  # sigmoid scores, renormalised and scaled; a shared expert
     assert (glm[0]["forced"] - glm[0]["plain"]).abs().max() > 0.05
     torch.testing.assert_close(glm[1]["forced"], glm[0]["forced"], atol=1e-5, rtol=0)
+
+
+def test_packed_rows_replay_the_routing_as_padded_ones(one_rank):
+    """train.pack_sequences: the routed experts travel with their tokens into the packed row (packing.pack)."""
+    out, _, _ = one_rank
+    for backend in ("fsdp", "megatron"):
+        packed = out[backend]["packed"]
+        torch.testing.assert_close(packed["forced"], out[backend]["forced"], atol=1e-5, rtol=1e-5)
+        for (loss, norm), (want_loss, want_norm) in zip(packed["steps"], out[backend]["steps"]):
+            assert abs(loss - want_loss) <= 1e-5 * abs(want_loss) and abs(norm - want_norm) <= 1e-5 * want_norm
 
 
 def test_megatron_ep2_and_cp2_replay_as_tp1(one_rank, two_ranks):
