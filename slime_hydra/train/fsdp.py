@@ -146,7 +146,10 @@ class FSDPBackend(TrainBackend):
         if budget is None:
             return micro_batches(batch, self.train_cfg.micro_batch_samples)
         lengths = batch.attention_mask.sum(-1).tolist()
-        groups = packed_micro_batches(lengths, budget) if self.packed else micro_batches(batch, self.train_cfg.micro_batch_samples, budget)
+        if self.packed:
+            groups = packed_micro_batches(lengths, budget)
+        else:
+            groups = micro_batches(batch, self.train_cfg.micro_batch_samples, budget)
         if self.world > 1:
             count = torch.tensor([len(groups)])
             dist.all_reduce(count, op=dist.ReduceOp.MAX)

@@ -118,19 +118,21 @@ def test_megatron_packed_steps_and_logprobs_equal_padded_ones(model, world, micr
     assert padded[0][2][0] < padded[0][0][0]
 
 
-def _critic_values(rank, world, path, packed):
+def _critic_values(rank, world, path, backend, packed):
     from slime_hydra.train.fsdp import FSDPBackend
+    from slime_hydra.train.megatron.backend import MegatronBackend
 
     torch.manual_seed(0)  # the fresh value head's init
-    critic = FSDPBackend(path, TrainConfig(**CFG, micro_batch_samples=3, pack_sequences=packed), total_steps=1,
-                         role="critic")
-    return critic.values(toy_batch())
+    cls = MegatronBackend if backend == "megatron" else FSDPBackend
+    train = TrainConfig(**CFG, backend=backend, micro_batch_samples=3, pack_sequences=packed)
+    return cls(path, train, total_steps=1, role="critic").values(toy_batch())
 
 
-def test_packed_critic_values_equal_padded_ones():
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_packed_critic_values_equal_padded_ones(backend):
     path = tiny_checkpoint()
-    padded = run_ranks(1, _critic_values, path, False)[0]
-    torch.testing.assert_close(run_ranks(1, _critic_values, path, True)[0], padded, atol=1e-5, rtol=0)
+    padded = run_ranks(1, _critic_values, path, backend, False)[0]
+    torch.testing.assert_close(run_ranks(1, _critic_values, path, backend, True)[0], padded, atol=1e-5, rtol=0)
     assert padded.abs().sum() > 0
 
 
