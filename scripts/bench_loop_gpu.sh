@@ -36,6 +36,7 @@ if [ "$mode" = colocated ]; then
 else
   args=(rollout.num_gpus=1 train.weight_sync=distributed)
 fi
+rm -rf "$out"  # a fresh run: the same run_name in an existing folder would resume its checkpoint instead
 python3 launch.py "${common[@]}" "${args[@]}" "${@:2}" || {
   status=$?  # what the engines and the router said (their logs stay on the machine)
   grep -H -i -A12 "error\|traceback" "$out"/run/logs/engine_*.log | head -80  # the engines' first, the cause
