@@ -83,10 +83,7 @@ trains without one, so the two are compared with it off.
 Routing replay (algo.routing_replay): a batch with ``routed_experts`` routes every MoE layer's tokens to the experts
 the engine chose (moe.ReplayedChoice), in every forward; PPO's critic routes itself.
 
-Padding-free micro-batches (``train.pack_sequences``, train/packing.py; cp = pp = 1, no sequence parallelism, no
-multi-latent attention): each micro-batch runs as one row in megatron's THD format (``PackedSeqParams`` with the
-sequences' cu_seqlens, b = 1); spec.SelfAttention rotates each token by its position in its own sequence and
-SDPACoreAttention attends within it; the output layer runs on the positions that predict response tokens only.
+Padding-free micro-batches (``train.pack_sequences``): packed.py.
 
 Not supported: LoRA on routed experts (on a MoE model's attention it works); ring attention or packed sequences
 under CP.
@@ -104,7 +101,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.routed_experts import NO_EXPERT
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, predicting_positions, response_logprobs, response_values)
-from slime_hydra.train.packing import PackedBatch, pack, packed_logprobs, packed_micro_batches, packed_values
+from slime_hydra.train.megatron.packed import packed_head, packing_problem, thd_params
+from slime_hydra.train.packing import PackedBatch, pack, packed_logprobs, packed_micro_batches
 from slime_hydra.train.config import TrainConfig, megatron_lora_problems, megatron_moe_problems
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.megatron import checkpoint
@@ -180,9 +178,8 @@ class MegatronBackend(TrainBackend):
         config = transformer_config(self.arch, tp=train.tp, pp=train.pp, cp=train.cp, device=self.device.type,
                                     use_te=use_te, overrides=overrides, ep=train.ep)
         self.packed = train.pack_sequences
-        if self.packed and (train.cp > 1 or train.pp > 1 or config.sequence_parallel or self.arch.is_mla):
-            raise ValueError("train.pack_sequences with train=megatron needs train.cp=1, train.pp=1, no "
-                             "sequence_parallel and no multi-latent attention")
+        if self.packed and (problem := packing_problem(train.cp, train.pp, config.sequence_parallel, self.arch.is_mla)):
+            raise ValueError(problem)
         self._packed: PackedBatch | None = None  # the packed layout of the micro-batch in flight
         self.model = build_model(self.arch, config, use_te, self.device, head=self.head)
         load_hf_weights(self.model, model_path, self.arch, head=self.head)
@@ -300,16 +297,12 @@ class MegatronBackend(TrainBackend):
         return self.model(ids, positions, None)
 
     def _stage_packed(self, host: TrainBatch) -> torch.Tensor:
-        """_stage on the micro-batch packed into one row (cp = pp = 1): [1, K, V / tp] logits of the positions that
+        """_stage on the micro-batch packed into one row (packed.py): [1, K, V / tp] logits of the positions that
         predict response tokens (actor), [1, N, 1] values (critic)."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         self._packed = packed = pack(host).to(self.device)
         if self._routers:
             self._route_as_engine(packed.routed_experts)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
-                                 max_seqlen_q=packed.max_length, max_seqlen_kv=packed.max_length)
-        return self.model(packed.input_ids, packed.position_ids, None, packed_seq_params=params)
+        return self.model(packed.input_ids, packed.position_ids, None, packed_seq_params=thd_params(packed))
 
     def _route_as_engine(self, experts: torch.Tensor | None) -> None:
         """Routing replay: each MoE router of this stage takes the micro-batch's routed experts for its layer
@@ -343,7 +336,7 @@ class MegatronBackend(TrainBackend):
         if self.cp_size > 1:
             return self._head_context_parallel(out, mb, temperature, with_entropy)
         if self.packed:
-            return self._head_packed(out, temperature, with_entropy)
+            return packed_head(out, self._packed, self, temperature, with_entropy)
         if self.head == "value":
             return response_values(out, mb), None
         first = self._keep_from  # out[:, k] is the output at position first + k
@@ -358,20 +351,6 @@ class MegatronBackend(TrainBackend):
         targets = torch.gather(mb.input_ids, 1, (pos + 1).clamp(max=length - 1))
         logp, entropy = vocab_parallel_logprobs(picked, targets, self.vocab_start, self.tp_group, with_entropy)
         return logp * valid, (entropy * valid if with_entropy else None)
-
-    def _head_packed(self, out: torch.Tensor, temperature: float, with_entropy: bool):
-        """_head of a packed micro-batch (``self._packed``): out is [1, K, V / tp] logits of the kept positions, or
-        [1, N, 1] values."""
-        packed = self._packed
-        if self.head == "value":
-            return packed_values(out, packed), None
-        if self.tp_size == 1:
-            return self._lm_logprobs(out, packed, temperature, with_entropy)
-        logits = out.float() / temperature if temperature != 1.0 else out.float()
-        logp, entropy = vocab_parallel_logprobs(logits, packed.targets.unsqueeze(0), self.vocab_start, self.tp_group,
-                                                with_entropy)
-        return (logp[0][packed.index] * packed.valid,
-                entropy[0][packed.index] * packed.valid if with_entropy else None)
 
     def _head_context_parallel(self, out: torch.Tensor, mb: TrainBatch, temperature: float, with_entropy: bool):
         """_head from this CP rank's chunks ([B, L / cp, .]): the per-position logprobs (and entropy) of every local
