@@ -128,17 +128,21 @@ def dp_shares(batch: TrainBatch, dp_size: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
-def micro_batches(batch: TrainBatch, micro_batch_samples: int, max_tokens: int | None = None) -> list[list[int]]:
+def micro_batches(batch: TrainBatch, micro_batch_samples: int, max_tokens: int | None = None,
+                  packed: bool = False) -> list[list[int]]:
     """Row indices of each micro-batch.
 
     Fixed size: consecutive rows, micro_batch_samples each. Token budget (max_tokens set): rows sorted by length
     (longest first) are packed greedily while rows x longest-row <= max_tokens, so each padded micro-batch costs at
-    most max_tokens positions; a single row longer than the budget gets a micro-batch of its own.
+    most max_tokens positions; a single row longer than the budget gets a micro-batch of its own. ``packed``
+    micro-batches (train.pack_sequences) have no padding: the budget counts real tokens (packed_micro_batches).
     """
     if max_tokens is None:
         return [list(range(s, min(s + micro_batch_samples, batch.size)))
                 for s in range(0, batch.size, micro_batch_samples)]
     lengths = batch.attention_mask.sum(-1).tolist()
+    if packed:
+        return packed_micro_batches(lengths, max_tokens)
     order = sorted(range(batch.size), key=lambda i: -lengths[i])
     groups, current = [], []
     for i in order:
@@ -148,6 +152,44 @@ def micro_batches(batch: TrainBatch, micro_batch_samples: int, max_tokens: int |
         current.append(i)
     return groups + [current]
 
+
+def packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row groups of at most ``max_tokens`` tokens in all (a row longer than that alone), balanced by tokens: rows,
+    longest first, go to the group with the fewest tokens among those with room, a new group when none has;
+    ceil(total / max_tokens) groups to start with. Ties to the lower group and row (deterministic on every rank)."""
+    groups: list[list[int]] = [[] for _ in range(max(-(-sum(lengths) // max_tokens), 1))]
+    tokens = [0] * len(groups)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [g for g in range(len(groups)) if tokens[g] + lengths[i] <= max_tokens or not groups[g]]
+        if not fits:
+            groups.append([])
+            tokens.append(0)
+            fits = [len(groups) - 1]
+        g = min(fits, key=lambda g: (tokens[g], g))
+        groups[g].append(i)
+        tokens[g] += lengths[i]
+    return [sorted(g) for g in groups if g]
+
+
+def split_to_count(groups: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+    """``groups`` split until there are ``count`` of them (a rank with fewer micro-batches than its data-parallel
+    peers: FSDP gathers the parameters once per forward on every rank together, so every rank runs the same number).
+    The group with the most tokens among those of two rows or more splits in two, its rows longest first each to
+    the half with fewer tokens; when every group is a single row, empty groups ([]) make up the rest (the caller runs
+    them with zero weight)."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        splittable = [g for g in range(len(groups)) if len(groups[g]) > 1]
+        if not splittable:
+            return groups + [[] for _ in range(count - len(groups))]
+        g = max(splittable, key=lambda g: (sum(lengths[i] for i in groups[g]), -g))
+        halves, tokens = [[], []], [0, 0]
+        for i in sorted(groups[g], key=lambda i: (-lengths[i], i)):
+            h = 0 if tokens[0] <= tokens[1] else 1
+            halves[h].append(i)
+            tokens[h] += lengths[i]
+        groups[g:g + 1] = [sorted(h) for h in halves]
+    return groups
 
 
 class BatchLogprobs:
@@ -188,17 +230,23 @@ def response_logprobs(logits: torch.Tensor, batch: TrainBatch, temperature: floa
     pos, valid = predicting_positions(batch, first_position + k)
     ids = batch.input_ids[:, first_position + 1 : first_position + 1 + k]
     following = torch.nn.functional.pad(ids, (0, k - ids.shape[1]))  # the token each kept position predicts
+    per_position, per_position_entropy = position_logprobs(logits, following, temperature, with_entropy)
+    col = pos - first_position
+    logp = torch.gather(per_position, 1, col) * valid
+    entropy = torch.gather(per_position_entropy, 1, col) * valid if with_entropy else None
+    return logp, entropy
+
+
+def position_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per position of logits [..., V]: the logprob of targets [...] and the entropy (None without), fp32:
+    z[y] - logsumexp(z) and logsumexp(z) - sum_v softmax(z)_v z_v, z = logits / temperature."""
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
-    per_position = torch.gather(z, -1, following.unsqueeze(-1)).squeeze(-1) - lse
-    col = pos - first_position
-    logp = torch.gather(per_position, 1, col) * valid
-    entropy = None
-    if with_entropy:
-        expected_z = (torch.softmax(z, dim=-1) * z).sum(-1)
-        entropy = torch.gather(lse - expected_z, 1, col) * valid
+    logp = torch.gather(z, -1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
     return logp, entropy
 
 

@@ -14,7 +14,7 @@ as CUDA graphs. The LM head runs only from the first position that predicts a re
 Padding-free micro-batches (``train.pack_sequences``, train/packing.py): each micro-batch's sequences run as one
 row with variable-length attention, and the LM head only at the positions that predict response tokens; a token
 budget (``train.max_tokens_per_gpu``) then counts real tokens and balances them over the micro-batches. Under a
-token budget with several ranks, every rank runs as many micro-batches as the rank with the most (packing.
+token budget with several ranks, every rank runs as many micro-batches as the rank with the most (batch.
 split_to_count): FSDP's parameter gathers are collective per forward.
 
 Loss scaling (exact gradient accumulation and DP): the loss callable returns the mean loss of a micro-batch over
@@ -59,9 +59,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from slime_hydra.checkpoint import write_json
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
-                                     micro_batches, response_logprobs, response_values)
-from slime_hydra.train.packing import (ATTENTION, pack, packed_logprobs, packed_micro_batches, packed_values,
-                                       register_attention, split_to_count)
+                                     micro_batches, response_logprobs, response_values, split_to_count)
+from slime_hydra.train.packing import ATTENTION, pack, packed_logprobs, packed_values, register_attention
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.backend import (
     LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options, load_rank_file, rng_state, set_rng_state, write_rank_file,
@@ -143,17 +142,11 @@ class FSDPBackend(TrainBackend):
     def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
         """Row groups of this rank's batch (module docstring); [] marks a group run with zero weight."""
         budget = self.train_cfg.max_tokens_per_gpu
-        if budget is None:
-            return micro_batches(batch, self.train_cfg.micro_batch_samples)
-        lengths = batch.attention_mask.sum(-1).tolist()
-        if self.packed:
-            groups = packed_micro_batches(lengths, budget)
-        else:
-            groups = micro_batches(batch, self.train_cfg.micro_batch_samples, budget)
-        if self.world > 1:
+        groups = micro_batches(batch, self.train_cfg.micro_batch_samples, budget, packed=self.packed)
+        if budget is not None and self.world > 1:  # only a token budget makes the ranks' counts differ
             count = torch.tensor([len(groups)])
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            groups = split_to_count(groups, lengths, int(count))
+            groups = split_to_count(groups, batch.attention_mask.sum(-1).tolist(), int(count))
         return groups
 
     def _forward(self, host: TrainBatch, mb: TrainBatch, temperature: float, with_entropy: bool):

@@ -23,13 +23,14 @@ attention mask) builds that dense N^2 mask for SDPA and reaches varlen kernels o
 which these machines do not have.
 """
 
+import functools
 import inspect
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from slime_hydra.train.batch import TrainBatch, to_device
+from slime_hydra.train.batch import TrainBatch, position_logprobs, to_device
 
 ATTENTION = "slime_packed"
 """The attn_implementation name of ``packed_attention`` in transformers' AttentionInterface."""
@@ -87,17 +88,9 @@ def packed_logprobs(logits: torch.Tensor, packed: PackedBatch, temperature: floa
 
     logp = z[k, y_k] - logsumexp_v z[k, v], z = logits / temperature, y_k = targets[k]; entropy as
     batch.response_logprobs."""
-    z = logits[0].float()
-    if temperature != 1.0:
-        z = z / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    per_position = torch.gather(z, -1, packed.targets.unsqueeze(-1)).squeeze(-1) - lse
+    per_position, per_position_entropy = position_logprobs(logits[0], packed.targets, temperature, with_entropy)
     logp = per_position[packed.index] * packed.valid
-    entropy = None
-    if with_entropy:
-        expected_z = (torch.softmax(z, dim=-1) * z).sum(-1)
-        entropy = (lse - expected_z)[packed.index] * packed.valid
-    return logp, entropy
+    return logp, (per_position_entropy[packed.index] * packed.valid if with_entropy else None)
 
 
 def packed_values(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
@@ -105,6 +98,7 @@ def packed_values(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
     return values[0, :, 0].float()[packed.keep][packed.index] * packed.valid
 
 
+@functools.cache
 def _has_gqa() -> bool:
     from torch.nn.attention.varlen import varlen_attn
 
@@ -143,7 +137,7 @@ def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale,
                            window_size=(-1, 0), **gqa)
     position = torch.arange(q.shape[0], device=q.device)
-    sample = torch.searchsorted(cu_seqlens[1:].to(q.device), position, right=True)
+    sample = _sequence_of(cu_seqlens.to(q.device), position)
     mask = (sample.unsqueeze(1) == sample.unsqueeze(0)) & (position.unsqueeze(1) >= position.unsqueeze(0))
     out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
                                                            attn_mask=mask, scale=scale,
@@ -154,8 +148,12 @@ def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 def sequence_positions(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
     """[n] position of each token of a packed row within its own sequence (0 at every sequence's start)."""
     position = torch.arange(n, device=cu_seqlens.device)
-    sample = torch.searchsorted(cu_seqlens[1:], position, right=True)
-    return position - cu_seqlens[sample]
+    return position - cu_seqlens[_sequence_of(cu_seqlens, position)]
+
+
+def _sequence_of(cu_seqlens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """The sequence (0-based) each position of a packed row belongs to."""
+    return torch.searchsorted(cu_seqlens[1:], position, right=True)
 
 
 def register_attention() -> None:
@@ -163,42 +161,3 @@ def register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, packed_attention)
-
-
-def packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Row groups of at most ``max_tokens`` tokens in all (a row longer than that alone), balanced by tokens: rows,
-    longest first, go to the group with the fewest tokens among those with room, a new group when none has;
-    ceil(total / max_tokens) groups to start with. Ties to the lower group and row (deterministic on every rank)."""
-    groups: list[list[int]] = [[] for _ in range(max(-(-sum(lengths) // max_tokens), 1))]
-    tokens = [0] * len(groups)
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        fits = [g for g in range(len(groups)) if tokens[g] + lengths[i] <= max_tokens or not groups[g]]
-        if not fits:
-            groups.append([])
-            tokens.append(0)
-            fits = [len(groups) - 1]
-        g = min(fits, key=lambda g: (tokens[g], g))
-        groups[g].append(i)
-        tokens[g] += lengths[i]
-    return [sorted(g) for g in groups if g]
-
-
-def split_to_count(groups: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
-    """``groups`` split until there are ``count`` of them (a rank with fewer micro-batches than its data-parallel
-    peers: FSDP gathers the parameters once per forward on every rank together, so every rank runs the same number).
-    The group with the most tokens among those of two rows or more splits in two, its rows longest first each to
-    the half with fewer tokens; when every group is a single row, empty groups ([]) make up the rest (the caller runs
-    them with zero weight)."""
-    groups = [list(g) for g in groups]
-    while len(groups) < count:
-        splittable = [g for g in range(len(groups)) if len(groups[g]) > 1]
-        if not splittable:
-            return groups + [[] for _ in range(count - len(groups))]
-        g = max(splittable, key=lambda g: (sum(lengths[i] for i in groups[g]), -g))
-        halves, tokens = [[], []], [0, 0]
-        for i in sorted(groups[g], key=lambda i: (-lengths[i], i)):
-            h = 0 if tokens[0] <= tokens[1] else 1
-            halves[h].append(i)
-            tokens[h] += lengths[i]
-        groups[g:g + 1] = [sorted(h) for h in halves]
-    return groups

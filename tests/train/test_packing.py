@@ -5,9 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from slime_hydra.train.batch import collate
+from slime_hydra.train.batch import collate, packed_micro_batches, split_to_count
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.packing import pack, packed_attention, packed_micro_batches, split_to_count
+from slime_hydra.train.packing import pack, packed_attention
 from tests.train.harness import pg_loss, run_ranks, tiny_checkpoint, toy_batch
 from tests.train.test_megatron_moe import moe_checkpoint
 

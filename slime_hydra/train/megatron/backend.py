@@ -102,7 +102,7 @@ from slime_hydra.routed_experts import NO_EXPERT
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, predicting_positions, response_logprobs, response_values)
 from slime_hydra.train.megatron.packed import packed_head, packing_problem, thd_params
-from slime_hydra.train.packing import PackedBatch, pack, packed_logprobs, packed_micro_batches
+from slime_hydra.train.packing import PackedBatch, pack, packed_logprobs
 from slime_hydra.train.config import TrainConfig, megatron_lora_problems, megatron_moe_problems
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.megatron import checkpoint
@@ -265,11 +265,8 @@ class MegatronBackend(TrainBackend):
         row 0 with their outputs dropped and a zero loss. Every stage of a replica gets the same count (its EP
         group holds the same DP ranks)."""
         budget = self.train_cfg.max_tokens_per_gpu
-        if self.packed and budget is not None:
-            groups = packed_micro_batches(batch.attention_mask.sum(-1).tolist(), budget)
-        else:
-            groups = micro_batches(batch, self.train_cfg.micro_batch_samples,
-                                   None if budget is None else budget * self.cp_size)
+        groups = micro_batches(batch, self.train_cfg.micro_batch_samples,
+                               None if budget is None else budget * self.cp_size, packed=self.packed)
         if self.ep_size > 1:
             count = torch.tensor([len(groups)], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ep_group)
