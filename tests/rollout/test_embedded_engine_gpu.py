@@ -168,3 +168,65 @@ def test_cuda_ipc_update(engine, models):
     assert tokens(out) == reference_greedy(models["model_b"], PROMPTS[2], 16)
     assert mean_abs_diff(logprobs(out), reference_logprobs(models["model_b"], PROMPTS[2], tokens(out))[0]) < 1e-4
     assert "no cuda_ipc handle for this engine's GPU" in refused and "GPU-elsewhere" in refused
+
+
+def _other_thread_works_mid_capture(capture) -> str:
+    """Run ``capture(forward)`` (a graph capture of ``forward``) while another thread, at a moment fixed by events
+    (inside the captured forward, not a race), allocates fresh memory and synchronizes on a stream of its own, as
+    a weight update's receiving thread does; returns that thread's error ("" if none)."""
+    import threading
+
+    inside, done, failure = threading.Event(), threading.Event(), []
+
+    def receiver():
+        inside.wait()
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                buffer = torch.empty(96 << 20, dtype=torch.uint8, device="cuda")  # 96 MiB: a new cudaMalloc
+                buffer.fill_(1)
+            stream.synchronize()
+        except RuntimeError as error:
+            failure.append(str(error))
+        done.set()
+
+    weights = torch.randn(64, 64, device="cuda")
+
+    def forward(rows, window):
+        if torch.cuda.is_current_stream_capturing():
+            inside.set()
+            assert done.wait(30)
+        return torch.randn(rows, 64, device="cuda").matmul(weights)
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    capture(forward)
+    thread.join(30)
+    torch.cuda.synchronize()
+    return failure[0] if failure else ""
+
+
+def test_decode_graph_capture_lets_another_thread_use_the_gpu():
+    """async mode: the engine captured a new decode graph while the weight update's thread received tensors, and under
+    capture's default "global" error mode that thread's CUDA calls failed and killed the engine."""
+    from slime_hydra.rollout.engines.embedded.slots import DecodeGraphs
+
+    graphs = DecodeGraphs(lambda rows, window: None, max_batch=8)
+
+    def engine_capture(forward):
+        graphs.forward = forward
+        assert graphs.run(5, 16).shape == (5, 64)
+        torch.cuda.synchronize()
+
+    assert _other_thread_works_mid_capture(engine_capture) == ""
+    assert graphs.captures == 1
+
+    def global_capture(forward):  # the mode the engine used before: the same thread's work fails
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="global"):
+                forward(8, 16)
+        except RuntimeError:
+            pass  # the capture itself may be invalidated too
+
+    assert "captur" in _other_thread_works_mid_capture(global_capture).lower()
