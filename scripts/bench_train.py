@@ -224,6 +224,26 @@ def build(name: str, path: Path, train: TrainConfig, total: int):
     return PlainHF(path, train)
 
 
+def make_batch(args, model: ModelConfig, seed: int):
+    """The global batch: --samples samples of --prompt-tokens prompt tokens and a response each (all --seq-tokens
+    long; with --responses LO:HI evenly spread from LO to HI tokens, or with --fresh-lengths drawn uniformly from
+    LO..HI by ``seed``), random tokens, advantages +-1."""
+    g = torch.Generator().manual_seed(seed)
+    if args.responses:
+        lo, hi = (int(x) for x in args.responses.split(":"))
+        if args.fresh_lengths:
+            responses = torch.randint(lo, hi + 1, (args.samples,), generator=g).tolist()
+        else:
+            responses = [round(lo + (hi - lo) * i / max(args.samples - 1, 1)) for i in range(args.samples)]
+    else:
+        responses = [args.seq_tokens - args.prompt_tokens] * args.samples
+    lengths = [args.prompt_tokens + r for r in responses]
+    tokens = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    advantages = (torch.randint(0, 2, (args.samples,), generator=g) * 2 - 1).float().tolist()
+    return collate(tokens, responses, [[1] * r for r in responses], pad_id=0,
+                   extras={"advantages": [[a] * r for a, r in zip(advantages, responses)]})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", required=True,
@@ -242,12 +262,18 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens per sample (no loss)")
     parser.add_argument("--responses", default=None, metavar="LO:HI",
                         help="response lengths evenly spread from LO to HI tokens (default: all --seq-tokens long)")
+    parser.add_argument("--fresh-lengths", action="store_true",
+                        help="with --responses: every step draws new response lengths (uniform in LO..HI), as RL "
+                             "batches do; tokens/s is then the mean step's tokens over the mean step time")
     parser.add_argument("--max-tokens", type=int, default=None, help="train.max_tokens_per_gpu (token budget)")
     parser.add_argument("--micro-batch", type=int, default=None, help="samples per forward (default: all of a rank's)")
     parser.add_argument("--tp", type=int, default=None, help="megatron tensor-parallel size (default: world size)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="train.compile, both backends (auto: on with CUDA); the warmup steps pay the compile")
+    parser.add_argument("--static-shapes", action="store_true",
+                        help="compile one static graph per input shape (dynamo's automatic_dynamic_shapes off, "
+                             "recompile limit 64) instead of a dynamic-shape graph after the first new shape")
     parser.add_argument("--cuda-graphs", action="store_true", help="train.cuda_graphs (compiled layers as CUDA graphs)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the measured steps, profile one more step and print the N costliest ops (rank 0)")
@@ -264,6 +290,13 @@ def main() -> None:
         parser.error(f"--backend takes {', '.join(known)}, each at most once; got {args.backend!r}")
 
     rank, world = init_process_group()
+    if args.static_shapes:
+        import torch._dynamo as dynamo
+
+        dynamo.config.automatic_dynamic_shapes = False
+        from slime_hydra.train.backend import allow_recompiles
+
+        allow_recompiles(64)
     if "hf" in names and world > 1:
         parser.error("--backend hf (the plain transformers baseline) runs on one rank")
     cuda = torch.cuda.is_available()
@@ -273,19 +306,10 @@ def main() -> None:
         build_random_checkpoint(model, path, seed=0, dtype=torch.bfloat16 if cuda else torch.float32)
     dist.barrier()
 
-    g = torch.Generator().manual_seed(0)
-    if args.responses:
-        lo, hi = (int(x) for x in args.responses.split(":"))
-        responses = [round(lo + (hi - lo) * i / max(args.samples - 1, 1)) for i in range(args.samples)]
-    else:
-        responses = [args.seq_tokens - args.prompt_tokens] * args.samples
-    lengths = [args.prompt_tokens + r for r in responses]
-    tokens = [torch.randint(0, model.vocab_size, (n,), generator=g).tolist() for n in lengths]
-    advantages = (torch.randint(0, 2, (args.samples,), generator=g) * 2 - 1).float().tolist()
-    batch = collate(tokens, responses, [[1] * r for r in responses], pad_id=0,
-                    extras={"advantages": [[a] * r for a, r in zip(advantages, responses)]})
-
     total = args.warmup + args.steps
+    batches = [make_batch(args, model, seed=step if args.fresh_lengths else 0) for step in range(total)]
+    lengths = [batches[step].attention_mask.sum(-1).tolist() for step in range(total)]
+
     backends, shares, layouts = {}, {}, {}
     for name in names:
         megatron = name.startswith("megatron")
@@ -299,7 +323,7 @@ def main() -> None:
                             cuda_graphs=args.cuda_graphs, compile_eager_numerics=not name.endswith("-fused"))
         backends[name] = build(name, path, train, total)
         dp_rank = getattr(backends[name], "dp_rank", rank)
-        shares[name] = batch.select(dp_shares(batch, dp)[dp_rank])  # token-balanced, as the loop deals rows
+        shares[name] = [b.select(dp_shares(b, dp)[dp_rank]) for b in batches]  # token-balanced, as the loop deals
         layouts[name] = (f"world={world} tp={tp} dp={dp} micro_batch={train.micro_batch_samples} "
                          f"compile={getattr(backends[name], 'compiled', False)} cuda_graphs={args.cuda_graphs}")
 
@@ -313,7 +337,7 @@ def main() -> None:
                 if step == args.warmup:
                     torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            metrics[name] = backends[name].train_step(shares[name], pg_loss)
+            metrics[name] = backends[name].train_step(shares[name][step], pg_loss)
             if cuda:
                 torch.cuda.synchronize()
             if step >= args.warmup:
@@ -324,18 +348,21 @@ def main() -> None:
                                         str(Path(args.kernels).with_stem(f"{Path(args.kernels).stem}_{name}")))
             trace = args.trace and (args.trace if len(names) == 1 else
                                     str(Path(args.trace).with_stem(f"{Path(args.trace).stem}_{name}")))
-            profile_step(name, backends[name], shares[name], args.profile, kernels, trace, rank)
+            profile_step(name, backends[name], shares[name][-1], args.profile, kernels, trace, rank)
         if args.timeline:
             print(f"== {name}")
-            timeline(backends[name], shares[name], args.timeline, rank)
+            timeline(backends[name], shares[name][-1], args.timeline, rank)
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                         device="cuda" if cuda else "cpu")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        step_tokens = sum(lengths)
-        step_flops = sum(n * flops_per_token(model, n) for n in lengths)
+        measured = lengths[args.warmup:]
+        step_tokens = statistics.mean(sum(n) for n in measured)
+        step_flops = statistics.mean(sum(x * flops_per_token(model, x) for x in n) for n in measured)
         device = torch.cuda.get_device_name() if cuda else "cpu"
-        print(f"model={args.model} device={device} tokens/step={step_tokens} (lengths {min(lengths)}..{max(lengths)}) dtype={'bf16' if cuda else 'fp32'} "
+        span = f"{min(min(n) for n in measured)}..{max(max(n) for n in measured)}"
+        print(f"model={args.model} device={device} tokens/step={step_tokens:.0f} (lengths {span}"
+              f"{', new each step' if args.fresh_lengths else ''}) dtype={'bf16' if cuda else 'fp32'} "
               f"torch={torch.__version__} rounds={args.steps} after {args.warmup} warmup")
         for name in names:
             t = times[name]

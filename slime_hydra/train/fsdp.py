@@ -155,7 +155,8 @@ class FSDPBackend(TrainBackend):
         ``host``: the micro-batch on the host, ``mb`` the same on the device; layouts come from the host copy (no
         device sync)."""
         if self.packed:
-            return self._forward_packed(pack(host).to(self.device), temperature, with_entropy)
+            packed = pack(host, bucketed=self.train_cfg.cuda_graphs)
+            return self._forward_packed(packed.to(self.device), temperature, with_entropy)
         first = first_predicting_position(host)
         if self.role == "critic":
             out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits

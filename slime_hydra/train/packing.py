@@ -1,4 +1,4 @@
-"""Padding-free micro-batches (``train.pack_sequences``, train=fsdp): a micro-batch's sequences concatenated into one
+"""Padding-free micro-batches (``train.pack_sequences``, both backends): a micro-batch's sequences concatenated into one
 row, attention kept inside each sequence by variable-length attention, the LM head run only where a response token
 is predicted.
 
@@ -10,6 +10,9 @@ Layout of a micro-batch of b samples (sample i: n_i = P_i + R_i tokens, offset o
     keep          [K]      K = sum R_i positions o_i + P_i - 1 + j whose outputs predict response token j, ascending
     targets       [K]      the token each kept position predicts (input_ids[keep + 1])
     index, valid  [b, T]   column j of row i is kept entry (R_0 + ... + R_{i-1}) + j, valid while j < R_i
+
+With train.cuda_graphs the row's shapes are bucketed (``_bucket``): a filler sequence after the samples, empty
+sequences at the end of cu_seqlens, max_length rounded up.
 
 So a packed micro-batch costs sum n_i positions (a padded one b * max n_i) and the LM head, whose vocabulary
 projection is the largest matmul of a small model, runs on the K response positions only. Outputs come back in the
@@ -58,28 +61,59 @@ class PackedBatch:
                 "cu_seq_lens_k": self.cu_seqlens, "max_length_q": self.max_length, "max_length_k": self.max_length}
 
 
-def pack(mb: TrainBatch) -> PackedBatch:
-    """The packed layout (module docstring) of a host micro-batch."""
+def pack(mb: TrainBatch, bucketed: bool = False) -> PackedBatch:
+    """The packed layout (module docstring) of a host micro-batch; ``bucketed`` (train.cuda_graphs): its shapes
+    rounded so that a run meets few of them (``_bucket``)."""
     lengths = mb.attention_mask.sum(-1).tolist()
     starts, responses = mb.response_start.tolist(), mb.response_lengths.tolist()
     if min(starts) < 1:
         raise ValueError("packing needs at least one prompt token per sample (the first response token is predicted "
                          "by the position before it)")
-    ids = torch.cat([mb.input_ids[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
-    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    ids = torch.cat([mb.input_ids[i, :n] for i, n in enumerate(lengths)])
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
     keep = torch.cat([torch.arange(o + p - 1, o + p - 1 + r) for o, p, r in zip(offsets, starts, responses)])
+    targets = ids[keep + 1]
     first_kept = torch.tensor([0] + responses[:-1]).cumsum(0)
     cols = torch.arange(mb.loss_mask.shape[1])
     valid = cols.unsqueeze(0) < torch.tensor(responses).unsqueeze(1)
     index = torch.where(valid, first_kept.unsqueeze(1) + cols, 0)
     routed = None
     if mb.routed_experts is not None:
-        routed = torch.cat([mb.routed_experts[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
-    return PackedBatch(ids, positions, torch.tensor(offsets, dtype=torch.int32), max(lengths), keep,
-                       ids[0, keep + 1], index, valid, routed)
+        routed = torch.cat([mb.routed_experts[i, :n] for i, n in enumerate(lengths)])
+    max_length = max(lengths)
+    if bucketed:
+        lengths, offsets, max_length = _bucket(lengths, offsets)
+        filler = offsets[-1] - ids.shape[0]
+        ids = torch.cat([ids, ids.new_zeros(filler)])
+        if routed is not None:  # the filler is routed as the last real token (its outputs are never read)
+            routed = torch.cat([routed, routed[-1:].expand(filler, *routed.shape[1:])])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return PackedBatch(ids.unsqueeze(0), positions.unsqueeze(0), torch.tensor(offsets, dtype=torch.int32), max_length,
+                       keep, targets, index, valid, None if routed is None else routed.unsqueeze(0))
+
+
+BUCKET_TOKENS = 256
+"""With train.cuda_graphs a packed row's length is rounded up to a multiple of this many tokens (``_bucket``)."""
+
+
+def _bucket(lengths: list[int], offsets: list[int]) -> tuple[list[int], list[int], int]:
+    """(lengths, offsets, max_length) of a packed row with bucketed shapes, for CUDA graphs: a graph replays one
+    shape only, and every micro-batch of an RL run has new lengths, so each would record a new graph (several times
+    slower than running eagerly; docs/benchmarks.md). Here the row grows to a multiple of BUCKET_TOKENS tokens by a
+    filler sequence of its own (its outputs are never kept), the sequence count to a power of two by empty
+    sequences (repeated last offsets in cu_seqlens), and max_length to a power of two (an upper bound is all
+    variable-length attention needs). A budget of B tokens then meets at most B / BUCKET_TOKENS row lengths, a few
+    sequence counts and a few max_lengths; the filler costs under BUCKET_TOKENS tokens a micro-batch (and its tokens
+    reach a MoE router's load-balancing loss, train.megatron.moe_aux_loss_coeff > 0). Written here: no library
+    rounds packed batches for CUDA graphs."""
+    filler = -offsets[-1] % BUCKET_TOKENS
+    if filler:
+        lengths, offsets = lengths + [filler], offsets + [offsets[-1] + filler]
+    count = 1 << (len(lengths) - 1).bit_length()
+    offsets = offsets + [offsets[-1]] * (count - len(lengths))
+    return lengths, offsets, 1 << (max(lengths) - 1).bit_length()
 
 
 def packed_logprobs(logits: torch.Tensor, packed: PackedBatch, temperature: float = 1.0,

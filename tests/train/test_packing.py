@@ -26,6 +26,13 @@ def test_pack_lays_samples_back_to_back_and_keeps_the_predicting_positions():
     assert packed.index.tolist() == [[0, 1, 2], [3, 0, 0]]
     assert packed.valid.tolist() == [[True, True, True], [True, False, False]]
 
+    bucketed = pack(mb, bucketed=True)  # train.cuda_graphs: 9 tokens + a filler of 247, 3 sequences + an empty one
+    assert bucketed.input_ids.shape == (1, 256) and bucketed.input_ids[0, :9].tolist() == packed.input_ids[0].tolist()
+    assert bucketed.position_ids[0, 9:].tolist() == list(range(247))
+    assert bucketed.cu_seqlens.tolist() == [0, 5, 9, 256, 256] and bucketed.max_length == 256
+    for name in ("keep", "targets", "index", "valid"):
+        assert torch.equal(getattr(bucketed, name), getattr(packed, name))
+
 
 def test_packed_attention_on_cpu_equals_each_sequence_alone():
     torch.manual_seed(0)
@@ -62,10 +69,11 @@ def test_groups_cover_every_row_once_within_budget_and_split_to_any_count(length
     assert all(g or all(len(h) <= 1 for h in split) for g in split)  # empty groups only once nothing splits
 
 
-def _steps_and_logprobs(rank, world, path, packed, micro, max_tokens):
+def _steps_and_logprobs(rank, world, path, packed, micro, max_tokens, bucketed=False):
     from slime_hydra.train.fsdp import FSDPBackend
 
-    train = TrainConfig(**CFG, micro_batch_samples=micro, max_tokens_per_gpu=max_tokens, pack_sequences=packed)
+    train = TrainConfig(**CFG, micro_batch_samples=micro, max_tokens_per_gpu=max_tokens, pack_sequences=packed,
+                        cuda_graphs=bucketed)  # on the CPU (no compile): the bucketed layout without graphs
     backend = FSDPBackend(path, train, total_steps=3)
     batch = toy_batch()
     # rank 1 gets the shorter rows: under a token budget it needs fewer micro-batches than rank 0 (packed at 12
@@ -78,11 +86,13 @@ def _steps_and_logprobs(rank, world, path, packed, micro, max_tokens):
     return [(float(m["pg_loss"]), m["grad_norm"]) for m in steps], logp, entropy
 
 
-@pytest.mark.parametrize("world,micro,max_tokens", [(1, 3, None), (1, 8, 20), (2, 8, 12), (2, 8, 18)])
-def test_packed_steps_and_logprobs_equal_padded_ones(world, micro, max_tokens):
+@pytest.mark.parametrize("world,micro,max_tokens,bucketed", [(1, 3, None, False), (1, 8, 20, False),
+                                                             (2, 8, 12, False), (2, 8, 18, False), (1, 3, None, True)])
+def test_packed_steps_and_logprobs_equal_padded_ones(world, micro, max_tokens, bucketed):
+    """bucketed: the shapes train.cuda_graphs rounds to (a filler sequence and empty ones) change nothing."""
     path = tiny_checkpoint()
     padded = run_ranks(world, _steps_and_logprobs, path, False, micro, max_tokens)[0]
-    packed = run_ranks(world, _steps_and_logprobs, path, True, micro, max_tokens)[0]
+    packed = run_ranks(world, _steps_and_logprobs, path, True, micro, max_tokens, bucketed)[0]
     for (loss, norm), (ref_loss, ref_norm) in zip(packed[0], padded[0]):
         assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5 * max(1, ref_norm)
     torch.testing.assert_close(packed[1], padded[1], atol=1e-5, rtol=0)
@@ -90,11 +100,11 @@ def test_packed_steps_and_logprobs_equal_padded_ones(world, micro, max_tokens):
     assert padded[0][2][0] < padded[0][0][0]  # the loss falls: the steps train
 
 
-def _megatron_steps_and_logprobs(rank, world, path, packed, micro, max_tokens):
+def _megatron_steps_and_logprobs(rank, world, path, packed, micro, max_tokens, bucketed=False):
     from slime_hydra.train.megatron.backend import MegatronBackend
 
     train = TrainConfig(**CFG, backend="megatron", num_gpus=world, tp=world, micro_batch_samples=micro,
-                        max_tokens_per_gpu=max_tokens, pack_sequences=packed)
+                        max_tokens_per_gpu=max_tokens, pack_sequences=packed, cuda_graphs=bucketed)
     backend = MegatronBackend(path, train, total_steps=3)
     batch = toy_batch()  # TP peers see the same rows
     steps = [backend.train_step(batch, pg_loss) for _ in range(3)]
@@ -102,15 +112,16 @@ def _megatron_steps_and_logprobs(rank, world, path, packed, micro, max_tokens):
     return [(float(m["pg_loss"]), m["grad_norm"]) for m in steps], logp, entropy
 
 
-@pytest.mark.parametrize("model,world,micro,max_tokens", [("dense", 1, 3, None), ("dense", 2, 8, 20),
-                                                          ("moe", 1, 8, 20)])
-def test_megatron_packed_steps_and_logprobs_equal_padded_ones(model, world, micro, max_tokens):
+@pytest.mark.parametrize("model,world,micro,max_tokens,bucketed", [
+    ("dense", 1, 3, None, False), ("dense", 2, 8, 20, False), ("moe", 1, 8, 20, False), ("dense", 2, 8, 20, True),
+    ("moe", 1, 8, 20, True)])
+def test_megatron_packed_steps_and_logprobs_equal_padded_ones(model, world, micro, max_tokens, bucketed):
     """train=megatron on packed rows (THD, per-sequence RoPE and attention; TP2: vocab-parallel head on the kept
     positions; a MoE model's experts on the packed tokens) against its padded path. The MoE logprobs (near -8 at
     temperature 0.7) differ in fp32's last digits (2e-5): the grouped expert matmuls see other token counts."""
     path = tiny_checkpoint() if model == "dense" else moe_checkpoint("mixed")
     padded = run_ranks(world, _megatron_steps_and_logprobs, path, False, micro, max_tokens)[0]
-    packed = run_ranks(world, _megatron_steps_and_logprobs, path, True, micro, max_tokens)[0]
+    packed = run_ranks(world, _megatron_steps_and_logprobs, path, True, micro, max_tokens, bucketed)[0]
     for (loss, norm), (ref_loss, ref_norm) in zip(packed[0], padded[0]):
         assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5 * max(1, ref_norm)
     torch.testing.assert_close(packed[1], padded[1], atol=1e-5, rtol=1e-5)
@@ -136,11 +147,11 @@ def test_packed_critic_values_equal_padded_ones(backend):
     assert padded.abs().sum() > 0
 
 
-def _bf16_compiled(rank, world, path, packed):
+def _bf16_compiled(rank, world, path, packed, graphs=False):
     from slime_hydra.train.fsdp import FSDPBackend
 
     train = TrainConfig(lr=1e-2, dtype="bf16", clip_grad=1.0, micro_batch_samples=3, compile=True,
-                        pack_sequences=packed)
+                        pack_sequences=packed, cuda_graphs=graphs)
     backend = FSDPBackend(path, train, total_steps=3)
     batch = toy_batch()
     steps = [backend.train_step(batch, pg_loss) for _ in range(3)]
@@ -151,13 +162,18 @@ def _bf16_compiled(rank, world, path, packed):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_packed_varlen_attention_on_gpu_matches_padded_sdpa():
     """bf16 and compiled, as on a GPU run: varlen flash attention on packed rows against SDPA on padded ones. The
-    two differ by bf16 rounding only (different kernels sum in different orders)."""
+    two differ by bf16 rounding only (different kernels sum in different orders). With train.cuda_graphs the rows
+    are bucketed (a filler sequence, empty sequences in cu_seqlens) and replayed as graphs: the same numbers."""
     path = tiny_checkpoint()
     padded = run_ranks(1, _bf16_compiled, path, False)[0]
     packed = run_ranks(1, _bf16_compiled, path, True)[0]
+    graphed = run_ranks(1, _bf16_compiled, path, True, True)[0]
     for (loss, norm), (ref_loss, ref_norm) in zip(packed[0], padded[0]):
         assert abs(loss - ref_loss) <= 2e-2 * abs(ref_loss) and abs(norm - ref_norm) <= 2e-2 * ref_norm
     gap = (packed[1] - padded[1]).abs()
     print(f"packed vs padded bf16 logprobs: max {gap.max():.2e}, mean {gap.mean():.2e}")
     assert gap.max() < 5e-2 and gap.mean() < 5e-3
+    graph_gap = (graphed[1] - packed[1]).abs()
+    print(f"bucketed CUDA-graph vs packed bf16 logprobs: max {graph_gap.max():.2e}, mean {graph_gap.mean():.2e}")
+    assert graph_gap.max() < 5e-2 and graph_gap.mean() < 5e-3
     assert padded[0][2][0] < padded[0][0][0]

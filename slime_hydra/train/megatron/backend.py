@@ -296,7 +296,7 @@ class MegatronBackend(TrainBackend):
     def _stage_packed(self, host: TrainBatch) -> torch.Tensor:
         """_stage on the micro-batch packed into one row (packed.py): [1, K, V / tp] logits of the positions that
         predict response tokens (actor), [1, N, 1] values (critic)."""
-        self._packed = packed = pack(host).to(self.device)
+        self._packed = packed = pack(host, bucketed=self.train_cfg.cuda_graphs).to(self.device)
         if self._routers:
             self._route_as_engine(packed.routed_experts)
         return self.model(packed.input_ids, packed.position_ids, None, packed_seq_params=thd_params(packed))
