@@ -192,7 +192,8 @@ class TrainConfig:
     cuda_graphs: bool = False
     """With train.compile on CUDA: replay each compiled decoder layer (forward and backward) as a CUDA graph
     (torch.compile mode="reduce-overhead": one launch per layer instead of dozens; +12% on one H100 for a 0.5B
-    model, docs/benchmarks.md). One graph is recorded per micro-batch shape; refused when colocated."""
+    model, docs/benchmarks.md). One graph is recorded per micro-batch shape (packed rows' shapes are bucketed,
+    packing._bucket); refused when colocated."""
     distributed_optimizer: bool = True
     """train=megatron: shard the Adam state over the data-parallel (and context-parallel) peers, ZeRO stage 1
     (megatron's --use-distributed-optimizer; here torch's ZeroRedundancyOptimizer, train/optim.py). Nothing to
