@@ -26,12 +26,12 @@ attention mask) builds that dense N^2 mask for SDPA and reaches varlen kernels o
 which these machines do not have.
 """
 
-import functools
 import inspect
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.nn.attention.varlen import varlen_attn
 
 from slime_hydra.train.batch import TrainBatch, position_logprobs, to_device
 
@@ -132,11 +132,8 @@ def packed_values(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
     return values[0, :, 0].float()[packed.keep][packed.index] * packed.valid
 
 
-@functools.cache
-def _has_gqa() -> bool:
-    from torch.nn.attention.varlen import varlen_attn
-
-    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+VARLEN_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
+"""Whether torch's varlen_attn takes fewer key/value heads than query heads (torch 2.11's does not)."""
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -160,11 +157,9 @@ def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     """Causal attention inside each sequence of a packed row: q [N, Hq, d], k [N, Hkv, d], v [N, Hkv, dv] ->
     [N, Hq, dv] (Hkv divides Hq: grouped-query attention). Both backends' packed attention (module docstring)."""
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == v.shape[-1]:
-        from torch.nn.attention.varlen import varlen_attn
-
         gqa = {}
         if k.shape[1] != q.shape[1]:
-            if _has_gqa():
+            if VARLEN_GQA:
                 gqa = {"enable_gqa": True}
             else:  # torch 2.11's varlen_attn takes as many key/value heads as query heads
                 k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
