@@ -20,7 +20,8 @@ from slime_hydra.config.passthrough import check_passthrough
 from slime_hydra.config.plugins import check_plugins
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.options import ConfigError, Problem, counts_hold, domain_problems
-from slime_hydra.train.config import gate_up_problem, megatron_lora_problems, megatron_moe_problems
+from slime_hydra.train.config import (gate_up_problem, megatron_lora_problems, megatron_moe_problems,
+                                      megatron_packing_problem)
 
 
 def check_layout(cfg: SlimeConfig) -> Iterator[Problem]:
@@ -109,11 +110,8 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"train=fsdp is data parallel only, but tp={t.tp} pp={t.pp} cp={t.cp}",
                       "use train=megatron for tensor, pipeline or context parallelism, or set train.tp=1 "
                       "train.pp=1 train.cp=1")
-    if t.pack_sequences and t.backend == "megatron" and (t.cp > 1 or t.pp > 1 or m.is_mla):
-        yield Problem(("train.pack_sequences", "train.cp", "train.pp"),
-                      f"train=megatron packs sequences with cp=1, pp=1 and no multi-latent attention, not cp={t.cp} "
-                      f"pp={t.pp}{' with multi-latent attention' if m.is_mla else ''}",
-                      "set train.pack_sequences=false, or use train=fsdp")
+    if t.backend == "megatron" and (problem := megatron_packing_problem(t, m.is_mla)):
+        yield problem
     if m.num_attention_heads % t.tp:
         yield Problem(("train.tp", "model.num_attention_heads"),
                       f"model.num_attention_heads={m.num_attention_heads} is not divisible by train.tp={t.tp}",

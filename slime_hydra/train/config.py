@@ -122,6 +122,20 @@ def megatron_lora_problems(lora: LoraConfig, tp: int, kv_groups: int, fused_gate
     return out
 
 
+def megatron_packing_problem(train: "TrainConfig", mla: bool) -> Problem | None:
+    """What train=megatron refuses with train.pack_sequences (train/megatron/packed.py: one THD row per micro-batch,
+    RoPE and attention per sequence): context or pipeline parallelism, sequence parallelism and multi-latent
+    attention. The backend checks it at construction, config/rules.py before anything starts. mla: the model has
+    multi-latent attention."""
+    t, sequence_parallel = train, bool(train.megatron.get("sequence_parallel"))
+    if not t.pack_sequences or not (t.cp > 1 or t.pp > 1 or sequence_parallel or mla):
+        return None
+    extras = (" with multi-latent attention" if mla else "") + (" with sequence_parallel" if sequence_parallel else "")
+    return Problem(("train.pack_sequences", "train.cp", "train.pp", "train.megatron.sequence_parallel"),
+                   f"train=megatron packs sequences with cp=1, pp=1, no sequence_parallel and no multi-latent "
+                   f"attention, not cp={t.cp} pp={t.pp}{extras}", "set train.pack_sequences=false, or use train=fsdp")
+
+
 def gate_up_problem() -> Problem:
     """The family's MLP holds gate and up as one ``gate_up_proj`` (GLM-4): no gate_proj / up_proj to adapt."""
     return Problem(("train.lora.target_modules", "model.family"), "this family stores gate and up as one "

@@ -215,6 +215,8 @@ INVALID = [
     (("train=megatron", "train.num_gpus=2", "train.pp=2", "train.pack_sequences=true"), "train.pack_sequences",
      "cp=1, pp=1"),
     ((*DSV3, "train=megatron", "train.pack_sequences=true"), "train.pack_sequences", "multi-latent attention"),
+    (("train=megatron", "train.num_gpus=2", "train.tp=2", "+train.megatron.sequence_parallel=true",
+      "train.pack_sequences=true"), "train.megatron.sequence_parallel", "with sequence_parallel"),
     # ranges on the field
     (("rollout.temperature=-0.5",), "rollout.temperature", ">= 0"),
     (("rollout.top_p=0",), "rollout.top_p", "in (0, 1]"),

@@ -101,9 +101,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from slime_hydra.routed_experts import NO_EXPERT
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, predicting_positions, response_logprobs, response_values)
-from slime_hydra.train.megatron.packed import packed_head, packing_problem, thd_params
+from slime_hydra.train.megatron.packed import packed_head, thd_params
 from slime_hydra.train.packing import PackedBatch, pack, packed_logprobs
-from slime_hydra.train.config import TrainConfig, megatron_lora_problems, megatron_moe_problems
+from slime_hydra.train.config import (TrainConfig, megatron_lora_problems, megatron_moe_problems,
+                                      megatron_packing_problem)
 from slime_hydra.train.reference import host_copy, swapped_in
 from slime_hydra.train.megatron import checkpoint
 from slime_hydra.train.megatron.context_parallel import gather_sequence, local_positions, padded_length, split_sequence
@@ -178,8 +179,8 @@ class MegatronBackend(TrainBackend):
         config = transformer_config(self.arch, tp=train.tp, pp=train.pp, cp=train.cp, device=self.device.type,
                                     use_te=use_te, overrides=overrides, ep=train.ep)
         self.packed = train.pack_sequences
-        if self.packed and (problem := packing_problem(train.cp, train.pp, config.sequence_parallel, self.arch.is_mla)):
-            raise ValueError(problem)
+        if problem := megatron_packing_problem(train, self.arch.is_mla):
+            raise ValueError(f"train=megatron: {problem}")
         self._packed: PackedBatch | None = None  # the packed layout of the micro-batch in flight
         self.model = build_model(self.arch, config, use_te, self.device, head=self.head)
         load_hf_weights(self.model, model_path, self.arch, head=self.head)

@@ -2,20 +2,12 @@
 megatron's THD format (``PackedSeqParams`` with the sequences' cu_seqlens, b = 1); spec.SelfAttention rotates each
 token by its position in its own sequence and SDPACoreAttention attends within it; the output layer runs on the
 positions that predict response tokens only (MegatronBackend's output-layer hook keeps them). Needs cp = pp = 1,
-no sequence parallelism and no multi-latent attention (``packing_problem``)."""
+no sequence parallelism and no multi-latent attention (train/config.megatron_packing_problem)."""
 
 import torch
 
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
 from slime_hydra.train.packing import PackedBatch, packed_values
-
-
-def packing_problem(cp: int, pp: int, sequence_parallel: bool, mla: bool) -> str | None:
-    """Why this layout cannot run packed rows, or None."""
-    if cp > 1 or pp > 1 or sequence_parallel or mla:
-        return ("train.pack_sequences with train=megatron needs train.cp=1, train.pp=1, no sequence_parallel and no "
-                "multi-latent attention")
-    return None
 
 
 def thd_params(packed: PackedBatch):
