@@ -8,8 +8,11 @@
 Builds a random-init Qwen2 checkpoint (default: the rollout tests' shape, 2 layers, hidden 64, vocab 64) in a temp
 dir, starts the engine as a subprocess (``--max-batch-size`` = batch), warms it up, then times REPEATS rounds of
 BATCH concurrent requests (sampling at temperature 1, ``ignore_eos`` so every request makes exactly NEW_TOKENS
-tokens) and prints generated tokens per second of wall time, as seen by the client. ``--model NAME`` takes the
-shape from conf/model/NAME.yaml instead (random init; on CUDA the engine runs in bf16, with CUDA graphs unless
+tokens) and prints generated tokens per second of wall time, as seen by the client, and where each round's time went:
+the engine's prefill and decode steps (its ``step_times`` counters), the hand-offs between its event loop and model
+thread, answering, and the rest (HTTP, scheduling); and when the answers arrived (first / median / last). One client
+keeps its connections across rounds, as the rollout's does (``--reconnect``: new ones every round). ``--model NAME``
+takes the shape from conf/model/NAME.yaml instead (random init; on CUDA the engine runs in bf16, with CUDA graphs unless
 ``--eager``; ``--layers`` takes fewer of its layers). For scale it also times ``model.generate`` on the same batch
 in this process (no HTTP, no scheduler; ``--reference none`` skips it).
 """
@@ -37,14 +40,58 @@ async def server_info(url: str) -> dict:
         return await client.server_info()
 
 
-async def one_round(url: str, prompts: list[list[int]], new_tokens: int) -> float:
+async def one_round(client: SGLangClient, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    """Seconds from the round's start until each request's answer arrived, in arrival order (the last is the round's
+    wall time; the spread between first and last is mostly how far apart the requests were admitted)."""
     params = {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    async with SGLangClient(url, timeout_s=600) as client:
-        start = time.perf_counter()
-        outs = await asyncio.gather(*(client.generate(p, params) for p in prompts))
-        elapsed = time.perf_counter() - start
+    done = []
+    start = time.perf_counter()
+
+    async def timed(prompt):
+        out = await client.generate(prompt, params)
+        done.append(time.perf_counter() - start)
+        return out
+
+    outs = await asyncio.gather(*(timed(p) for p in prompts))
     assert all(len(o["output_ids"]) == new_tokens for o in outs)
-    return elapsed
+    return done
+
+
+async def rounds(url: str, prompts: list[list[int]], new_tokens: int, repeats: int, reconnect: bool) -> list:
+    """A warm-up round (compiles, captures every graph), then ``repeats`` timed ones; returns each timed round's
+    answer times and the change of the engine's step counters over it (``step_times``: steps, model_s, wait_s,
+    answer_s by kind; ``captures``: CUDA graphs captured). One client keeps its connections open across rounds, as
+    the rollout's client does for a whole run; ``reconnect``: a new client (BATCH new TCP connections) every round."""
+    client = SGLangClient(url, timeout_s=600)
+    try:
+        out = []
+        for _ in range(repeats + 1):
+            before = await client.server_info()
+            if reconnect:
+                await client.close()
+            answers = await one_round(client, prompts, new_tokens)
+            after = await client.server_info()
+            steps = {kind: {k: v - before["internal_states"][0]["step_times"][kind][k] for k, v in times.items()}
+                     for kind, times in after["internal_states"][0]["step_times"].items()}
+            out.append((answers, steps, after["cuda_graph_captures"] - before["cuda_graph_captures"]))
+        return out[1:]
+    finally:
+        await client.close()
+
+
+def where_it_went(answers: list[float], steps: dict, captures: int) -> str:
+    """One round's wall time split into the engine's steps, their hand-offs and answering, and the rest (HTTP in and
+    out, scheduler loop)."""
+    parts = []
+    for kind, t in steps.items():
+        if t["steps"]:
+            parts.append(f"{t['steps']} {kind} {t['model_s']:.3f}s ({1e3 * t['model_s'] / t['steps']:.2f} ms each)")
+    handoff = sum(t["wait_s"] - t["model_s"] for t in steps.values())
+    answer = sum(t["answer_s"] for t in steps.values())
+    rest = answers[-1] - sum(t["wait_s"] + t["answer_s"] for t in steps.values())
+    return (f"{answers[-1]:.3f}s = " + " + ".join(parts) + f" + hand-offs {handoff:.3f}s + answering {answer:.3f}s"
+            f" + rest {rest:.3f}s; answers at {answers[0]:.2f} / {statistics.median(answers):.2f} / "
+            f"{answers[-1]:.2f}s (first / median / last); {captures} graphs captured")
 
 
 @torch.no_grad()
@@ -82,6 +129,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="CUDA: no CUDA graphs (--disable-cuda-graph)")
     parser.add_argument("--reference", default="dynamic", choices=["dynamic", "none"],
                         help="also time HF model.generate (dynamic cache) on the same batch")
+    parser.add_argument("--reconnect", action="store_true",
+                        help="open new connections every round (default: one client keeps them, as a rollout does)")
     parser.add_argument("--threads", type=int, default=None, help="engine torch threads (default: the engine's)")
     args = parser.parse_args()
 
@@ -105,12 +154,12 @@ def main() -> None:
                                    extra_args=extra, log_path=work / "engine.log")
     try:
         threads = asyncio.run(server_info(engine.url))["torch_threads"]
-        asyncio.run(one_round(engine.url, prompts, args.new_tokens))  # warm-up: compiles, captures every graph
-        times = [asyncio.run(one_round(engine.url, prompts, args.new_tokens)) for _ in range(args.repeats)]
+        timed = asyncio.run(rounds(engine.url, prompts, args.new_tokens, args.repeats, args.reconnect))
         peak = asyncio.run(server_info(engine.url)).get("max_memory_allocated_bytes")
     finally:
         engine.stop()
     tokens = args.batch * args.new_tokens
+    times = [answers[-1] for answers, _, _ in timed]
     experts = f", {shape.num_experts} experts top-{shape.moe_top_k}" if shape.is_moe else ""
     print(f"model: {shape.family} {shape.num_layers} layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}"
           f"{experts}, "
@@ -119,6 +168,8 @@ def main() -> None:
           f"({args.prompt_tokens}-token prompts): rounds {', '.join(f'{t:.2f}s' for t in times)}")
     print(f"  -> {tokens / statistics.median(times):,.0f} tokens/s (median round), "
           f"{tokens / min(times):,.0f} tokens/s (best round)")
+    for i, round_ in enumerate(timed):
+        print(f"  round {i + 1}: {where_it_went(*round_)}")
     if peak is not None:
         print(f"  engine peak GPU memory (torch max_memory_allocated): {peak / 2**30:.2f} GiB")
     if args.reference == "dynamic":

@@ -1,11 +1,13 @@
 """Where the embedded engine's decode step spends its time: the ModelRunner driven in-process (no HTTP, no scheduler).
 
     python3 scripts/profile_engine_step.py --model qwen2_5_0_5b --batch 256 --new-tokens 256   # GPU
-    OMP_NUM_THREADS=1 python scripts/profile_engine_step.py --steps 32                         # CPU, tiny model
+    OMP_NUM_THREADS=1 python scripts/profile_engine_step.py --new-tokens 32                     # CPU, tiny model
 
 Admits BATCH requests (16-token random prompts, temperature 1, ignore_eos) in one prefill, then runs decode steps
 (``ModelRunner.step``; each launches its step and then takes in the previous one) and prints the step's wall time,
-the host time to launch the forward (CUDA graph replay or eager call) and the forward's GPU time (CUDA events). Then a ``torch.profiler`` trace of PROFILE steps prints the top kernels by GPU time.
+the host time to launch the forward (CUDA graph replay or eager call) and the forward's GPU time (CUDA events), and
+the time of a prefill of BATCH/2 prompts. Then ``torch.profiler`` traces of PROFILE steps and of one such prefill
+print the top ops by GPU time (and the prefill's by host time).
 Prints milliseconds per step (median of the measured steps) and the tokens/s that the step time allows.
 """
 
@@ -95,6 +97,14 @@ async def main() -> None:
         runner.step(requests())
         while runner.running:
             runner.step([])
+    prefills = []
+    for _ in range(3):  # the HTTP bench's rounds arrive in about two halves
+        start = time.perf_counter()
+        runner.step(requests()[:args.batch // 2])
+        if cuda:
+            torch.cuda.synchronize()
+        prefills.append(time.perf_counter() - start)
+        runner.clear_batch()
     timed = Timed(runner, cuda)
     runner.step(requests())
     steps = []
@@ -113,6 +123,7 @@ async def main() -> None:
     print(f"  forward launch {statistics.median(timed.launch_s) * 1e3:.3f} ms (host)")
     if cuda:
         print(f"  forward GPU time (CUDA events) {statistics.median(timed.gpu_times()):.3f} ms")
+    print(f"prefill of {args.batch // 2} prompts: {', '.join(f'{t * 1e3:.1f}' for t in prefills)} ms")
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -129,6 +140,16 @@ async def main() -> None:
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(f"top ops over {args.profile} decode steps (by {key}):")
         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+
+        runner.clear_batch()
+        with profile(activities=activities) as prof:
+            runner.step(requests()[:args.batch // 2])
+            if cuda:
+                torch.cuda.synchronize()
+        runner.clear_batch()
+        print(f"top ops of a prefill of {args.batch // 2} prompts (by cpu_time_total, then {key}):")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -124,6 +124,20 @@ async def test_logprobs_match_full_forward(engine, models):
     assert mean_abs_diff([lp for lp, _, _ in scored], in_ref[3:]) < 1e-4
 
 
+async def test_step_times_count_the_steps_of_a_request(engine):
+    """server_info's step_times (what the benchmark splits a round's time by): a request of 10 tokens alone takes
+    one prefill (its first token) and 10 decode steps (9 tokens; each step takes in the previous step's token, the last
+    one only that), each timed on the model thread within the scheduler's wait."""
+    async with SGLangClient(engine.url) as c:
+        before = (await c.server_info())["internal_states"][0]["step_times"]
+        await gen(engine.url, [1, 2, 3], {**GREEDY, "max_new_tokens": 10})
+        after = (await c.server_info())["internal_states"][0]["step_times"]
+    delta = {kind: {k: v - before[kind][k] for k, v in times.items()} for kind, times in after.items()}
+    assert delta["prefill"]["steps"] == 1 and delta["decode"]["steps"] == 10
+    assert delta["prefill"]["model_s"] > 0 and delta["decode"]["model_s"] > 0
+    assert all(0 <= t["model_s"] <= t["wait_s"] and t["answer_s"] >= 0 for t in delta.values())
+
+
 async def test_batched_equals_alone(engine):
     prompts = PROMPTS + [[1, 2], [33] * 9, [5, 6, 7, 8]]
     lengths = [30, 12, 25, 7, 40, 3, 18, 22]

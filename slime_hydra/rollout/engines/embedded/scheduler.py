@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -32,6 +32,19 @@ from slime_hydra.rollout.engines.embedded.runner import ModelRunner
 logger = logging.getLogger("slime_hydra.engine")
 
 PAUSE_MODES = ("abort", "in_place", "retract")
+STEP_KINDS = ("prefill", "decode", "settle")
+
+
+@dataclass
+class StepTimes:
+    """Totals of one kind of runner step since the engine started (``server_info``'s ``internal_states``): how many
+    ran, seconds they ran on the model thread, seconds the scheduler waited for them (the difference is the hand-off
+    between the event loop and the model thread) and seconds it then spent answering the requests they finished. A
+    client diffs two readings to see where an interval went."""
+    steps: int = 0
+    model_s: float = 0.0
+    wait_s: float = 0.0
+    answer_s: float = 0.0
 
 
 @dataclass
@@ -74,6 +87,7 @@ class Engine:
         """Set whenever a request ends (an unload waits for the requests using its adapter)."""
         self.generated_tokens = 0
         self.started = time.time()
+        self.step_times = {kind: StepTimes() for kind in STEP_KINDS}
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
@@ -304,8 +318,18 @@ class Engine:
     async def _run_step(self, loop, admit: Optional[list[Request]]) -> None:
         """One runner step (admit None: only settle the step in flight) and answer the requests that finished."""
         work = self.runner.settle if admit is None else partial(self.runner.step, admit)
+        times = self.step_times["settle" if admit is None else "prefill" if admit else "decode"]
+
+        def timed():
+            start = time.perf_counter()
+            try:
+                return work()
+            finally:
+                times.model_s += time.perf_counter() - start
+
+        start = time.perf_counter()
         try:
-            finished = await loop.run_in_executor(self._executor, work)
+            finished = await loop.run_in_executor(self._executor, timed)
         except Exception as exc:
             # The step's tensors are in an unknown state: fail the requests it touched, keep serving the rest.
             logger.exception("model step failed")
@@ -313,8 +337,13 @@ class Engine:
             for r in victims:
                 self._fail(r, f"model step failed: {type(exc).__name__}: {exc}")
             return
+        finally:
+            times.steps += 1
+            times.wait_s += time.perf_counter() - start
+        start = time.perf_counter()
         for r in finished:
             self._complete(r)
+        times.answer_s += time.perf_counter() - start
 
     async def _reap_aborted(self, loop) -> None:
         self._abort_pending = False
@@ -376,5 +405,6 @@ class Engine:
                 "cuda_graph_captures": runner.graphs.captures if runner.graphs is not None else 0,
                 "kv_capacity_tokens": runner.kv.capacity,
                 "internal_states": [{"generated_tokens": self.generated_tokens,
+                                     "step_times": {k: asdict(v) for k, v in self.step_times.items()},
                                      "peak_running_reqs": runner.peak_running,
                                      "avg_gen_throughput": self.generated_tokens / elapsed, **self.load()}]}
