@@ -21,7 +21,9 @@ import torch
 from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError
 from slime_hydra.rollout.engines.embedded.routing import RoutingCapture
 from slime_hydra.rollout.engines.embedded.sampling import fused_draw, sample, score_prompt
-from slime_hydra.rollout.engines.embedded.slots import DecodeGraphs, GraphCaptureError, SlotKV, register_attention
+from slime_hydra.rollout.engines.embedded.slots import (
+    DecodeGraphs, GraphCaptureError, SlotKV, compile_decode_layers, register_attention,
+)
 from slime_hydra.weight_transport import adapter_key, destroy_weight_update_group, split_adapter_key
 
 logger = logging.getLogger("slime_hydra.engine")
@@ -46,10 +48,11 @@ class ModelRunner:
     def __init__(self, model_path: str, device: str, dtype: str, max_batch_size: int, context_length: Optional[int],
                  tokenizer_path: Optional[str], weight_version: str, cuda_graph: bool, lora: Optional[dict] = None,
                  return_routed_experts: bool = False, torch_compile: Optional[bool] = None):
-        """torch_compile: compile the decoder layers' decode step and the plain sampler (``_compile_decode``;
-        None: on CUDA for models without MoE layers). lora: a PEFT LoRA adapter config (adapter_config.json's dict): its adapters are added to the model (B = 0,
-        so the function is still the base model's until an update sets them) and kept in fp32, as the trainer's
-        PEFT model keeps them: each adapted linear computes W x + (lora_alpha / r) B A x on the upcast input.
+        """torch_compile: compile the decoder layers' decode step (``slots.compile_decode_layers``) and the plain
+        sampler (None: on CUDA for models without MoE layers). lora: a PEFT LoRA adapter config (adapter_config.json's dict):
+        its adapters are added to the model (B = 0, so the function is still the base model's until an update sets
+        them) and kept in fp32, as the trainer's PEFT model keeps them: each adapted linear computes
+        W x + (lora_alpha / r) B A x on the upcast input.
         return_routed_experts: record the experts every MoE layer chose for every token run (routing.py)."""
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -111,30 +114,15 @@ class ModelRunner:
         """Each MoE layer's choice of experts in the last model call (None: not recorded)."""
         moe = any(getattr(text, key, None) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
         self.compiled = (self.device.type == "cuda" and not moe) if torch_compile is None else torch_compile
-        self._fused_sample = self._compile_decode() if self.compiled else None
+        if self.compiled:
+            compile_decode_layers(self._body.layers)
+        self._fused_sample = torch.compile(fused_draw) if self.compiled else None
+        """The compiled plain sampler (``sampling.fused_draw``; None: not compiled)."""
         self.graphs = (DecodeGraphs(self._decode_forward, max_batch_size)
                        if cuda_graph and self.device.type == "cuda" else None)
         self.kv.on_move = self._drop_graphs
         self.peak_running = 0
         """Most rows ever decoded together (shows that batching happened)."""
-
-    def _compile_decode(self):
-        """torch.compile each decoder layer for decode steps (prefills, whose widths vary, stay eager) and return the
-        compiled plain sampler (``sampling.fused_draw``). A 0.5B model's decode step is ~1,500 small kernels, most
-        of them the elementwise ops of norms, rotary embeddings and the gated MLP that inductor fuses; the slot
-        attention stays eager between a layer's compiled graphs (``register_attention``). Layers share one compiled
-        code (one compile for a static batch size, one with the batch size dynamic); CUDA graphs then capture the
-        compiled kernels like any others."""
-        for layer in self._body.layers:
-            eager = layer.forward
-            compiled = torch.compile(eager, dynamic=True, options={"emulate_precision_casts": True})
-
-            def forward(*args, _eager=eager, _compiled=compiled, **kwargs):
-                kv = kwargs.get("slot_kv")
-                return (_compiled if kv is not None and kv.mode == "decode" else _eager)(*args, **kwargs)
-
-            layer.forward = forward
-        return torch.compile(fused_draw)
 
     def _resolve_dtype(self, name: str, config) -> torch.dtype:
         if name != "auto":

@@ -38,7 +38,8 @@ CUDA graphs (``DecodeGraphs``): one graph of the whole decode forward (embedding
 replayed with the live rows'
 ids/positions in the static ``ids``/``pos`` buffers; the rows between n and the bucket are idle slots whose results
 are ignored. Graphs are dropped whenever a tensor they read moves: the cache grows or is freed, or the weights are
-released (a weight update copies into the same storage and keeps them).
+released (a weight update copies into the same storage and keeps them). The decoder layers they capture are
+torch.compiled for decode (``compile_decode_layers``) unless the engine runs with ``--torch-compile off``.
 """
 
 from typing import Callable, Optional
@@ -80,6 +81,39 @@ def register_attention() -> str:
 
     AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(slot_attention))
     return ATTENTION_NAME
+
+
+def compile_decode_layers(layers) -> None:
+    """torch.compile each decoder layer for decode steps (prefills, whose widths vary, stay eager: compiled, a prefill
+    was no faster, docs/benchmarks.md). A 0.5B model's decode step is ~1,500 small kernels, most of them the
+    elementwise ops of norms, rotary embeddings and the gated MLP that inductor fuses; the slot attention stays eager
+    between a layer's compiled graphs (``register_attention``). Layers share one compiled code, dynamic in the batch
+    size (compiled once for one row and once for more, ``_without_duck_sizing``), with eager bf16 numerics
+    (``emulate_precision_casts``); CUDA graphs then capture the compiled kernels like any others."""
+    for layer in layers:
+        eager = layer.forward
+        compiled = _without_duck_sizing(torch.compile(eager, dynamic=True, options={"emulate_precision_casts": True}))
+
+        def forward(*args, _eager=eager, _compiled=compiled, **kwargs):
+            kv = kwargs.get("slot_kv")
+            return (_compiled if kv is not None and kv.mode == "decode" else _eager)(*args, **kwargs)
+
+        layer.forward = forward
+
+
+def _without_duck_sizing(compiled):
+    """``compiled`` traced with every dynamic size its own symbol. By default torch.compile gives sizes that are equal
+    when it first traces one symbol ("duck sizing"), and guards on that equality: a decode of the full 256 slots
+    made the batch size one with the slot count (``position_ids`` is a view of the 256-slot position buffer), so the
+    first decode of a smaller batch bucket compiled the layers again, a 1.2 s CUDA graph capture mid-rollout on an
+    H200 (docs/benchmarks.md)."""
+    from torch.fx.experimental import _config as fx_config
+
+    def call(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 class SlotKV:
