@@ -64,7 +64,8 @@ the decode step is replayed from CUDA graphs, one per batch-size bucket and atte
 (``--torch-compile``, on by default on CUDA for dense models), and each decode step is launched before the host
 takes in the previous one's tokens (``ModelRunner._decode``: the host's bookkeeping overlaps the device's step).
 On one H100 a Qwen2.5-0.5B-shaped model at 256 concurrent requests decodes a step in 2.9 ms in-process (89k
-tokens/s) and serves ~65k generated tokens/s over HTTP (docs/benchmarks.md). Under greedy decoding a request's
+tokens/s) and serves ~65k generated tokens/s over HTTP (~77k on an H200; docs/benchmarks.md splits an HTTP
+round by the ``step_times`` counters of ``server_info``). Under greedy decoding a request's
 tokens match running it alone (same numbers up to float summation order, checked against ``model.generate`` in the
 tests).
 
