@@ -46,9 +46,9 @@ class Timed:
     def __init__(self, runner, cuda: bool):
         self.cuda = cuda
         self.launch_s, self.gpu_ms, self._events = [], [], []
-        target = "_graph_decode" if runner.graphs is not None else "_decode_forward"
-        self._forward = getattr(runner, target)
-        setattr(runner, target, self.forward)
+        owner, name = (runner.graphs, "run") if runner.graphs is not None else (runner, "_decode_forward")
+        self._forward = getattr(owner, name)
+        setattr(owner, name, self.forward)
 
     def forward(self, n, window):
         start = time.perf_counter()

@@ -33,9 +33,11 @@ heads / KV heads / head dim):
                         min(pp, micro-batches) in flight
     logits              K x V / tp x 4 bytes compiled (bf16 logits and their grad; the fp32 logsumexp is fused),
                         x 20 eager (fp32 temporaries), measured on an H100 (docs/benchmarks.md)
-    engine              weights P x 2 (bf16) / gpus_per_engine; KV cache slots x capacity x L x 2 x g x d x 2 with
-                        capacity the power of two above prompt + response (the embedded engine's slots); decode
-                        logits and CUDA-graph outputs; SGLang takes rollout.sglang.mem_fraction_static of the GPU
+    engine              weights P x 2 (bf16) / gpus_per_engine; KV cache (slots + 1) x capacity x L x 2 x g x d x 2
+                        with capacity the power of two above prompt + response (the embedded engine's slots and its
+                        scratch slot); decode logits and CUDA-graph outputs; on a GPU the prefill graphs' pool,
+                        PREFILL_GRAPH_TOKENS x (4H + 3F) x 2 (hidden states, q/k/v and attention out; the MLP's
+                        gate, up and product); SGLang takes rollout.sglang.mem_fraction_static of the GPU
     host                the reference policy (4 bytes / param of each rank's shard, pinned), colocated offload
                         buffers (the trainer's masters + Adam state) and parked engine weights, with
                         checkpoint_in_background the checkpoint's host copy (12 bytes / param of each rank's shard:
@@ -54,6 +56,7 @@ from typing import Iterator, Optional
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.options import Problem
+from slime_hydra.rollout.engines.embedded import PREFILL_GRAPH_TOKENS
 
 GiB = 2 ** 30
 CUDA_RESERVE = 1.5 * GiB
@@ -258,9 +261,13 @@ def engine_usage(cfg: SlimeConfig, d: Derived) -> Usage:
     slots = min(r.batch_prompts * r.n_samples_per_prompt, r.max_concurrency_per_engine)
     capacity = min(max(128, 1 << (d.context_tokens - 1).bit_length()), m.max_position_embeddings)
     head = m.kv_channels + ((m.v_head_dim or 0) if m.is_mla else m.kv_channels)  # a key's and a value's width
-    kv = slots * capacity * m.num_layers * m.num_kv_heads * head * width
+    kv = (slots + 1) * capacity * m.num_layers * m.num_kv_heads * head * width  # + the scratch slot
     usage.parts["KV cache"] = kv * 1.5  # growing to the next power of two keeps the old cache until copied
     usage.parts["decode logits + graph outputs"] = 3 * slots * m.vocab_size * 4
+    if on_gpu:  # a prefill graph's pool holds one layer's live tensors for PREFILL_GRAPH_TOKENS tokens
+        ffn = ((m.moe_ffn_hidden_size or m.ffn_hidden_size) * (max(m.moe_top_k, 1) + m.moe_shared_experts)
+               if m.is_moe else m.ffn_hidden_size)
+        usage.parts["prefill graphs"] = PREFILL_GRAPH_TOKENS * (4 * m.hidden_size + 3 * ffn) * width
     return usage
 
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from slime_hydra.rollout.engines.embedded.graphs import PrefillGraphs
 from slime_hydra.rollout.engines.embedded.scheduler import Engine
 from slime_hydra.rollout.engines.embedded.sampling import fused_draw
 from slime_hydra.rollout.engines.embedded.slots import MIN_CAPACITY, SlotKV, slot_attention
@@ -22,15 +23,22 @@ def model_dir(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("slots") / "m", seed=0)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_queued_growing_and_compacted_rows_match_plain_forwards(model_dir, compiled):
+@pytest.mark.parametrize("compiled,padded", [(False, False), (True, False), (False, True)],
+                         ids=["eager", "compiled", "padded-prefill"])
+def test_queued_growing_and_compacted_rows_match_plain_forwards(model_dir, compiled, padded):
     """Also with the decoder layers torch.compiled for decode (the default on CUDA), through batch sizes 1..4 (a
-    static and a dynamic-batch compile) and the attention window growing from 128 to 256 columns."""
+    static and a dynamic-batch compile) and the attention window growing from 128 to 256 columns; and with prefills
+    in the CUDA-graph layout (graphs.PrefillGraphs, run eagerly here): rows padded to a power-of-two bucket, the
+    padding rows writing to the scratch slot, the width padded to a power of two (256 for the 200-token prompt)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n, _ in CASES]
 
     async def run():
         engine = Engine(str(model_dir), max_batch_size=4, torch_compile=compiled)
+        runner = engine.runner
+        if padded:
+            runner.prefill_graphs = PrefillGraphs(runner._prefill_forward, runner._head, 4, runner.device,
+                                                  capture=False)
         await engine.start()
         try:
             reqs = [engine.make_request(p, {"temperature": 0, "max_new_tokens": m, "ignore_eos": True}, None, True,
@@ -51,10 +59,36 @@ def test_queued_growing_and_compacted_rows_match_plain_forwards(model_dir, compi
         assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-5
 
 
+def test_padded_prefill_rows_leave_running_slots_alone(model_dir):
+    """A prefill in the CUDA-graph layout pads 3 admitted prompts to a bucket of 4 rows while a request already runs in
+    slot 0: the padding row writes to the scratch slot, and every request still decodes what plain forwards give."""
+    from slime_hydra.rollout.engines.embedded.protocol import Request, SamplingParams
+    from slime_hydra.rollout.engines.embedded.runner import ModelRunner
+
+    prompts, lengths = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2]], [12, 6, 8, 5]
+
+    async def run() -> list[list[int]]:
+        runner = ModelRunner(str(model_dir), "cpu", "float32", 4, None, None, "0", cuda_graph=False)
+        runner.prefill_graphs = PrefillGraphs(runner._prefill_forward, runner._head, 4, runner.device, capture=False)
+        reqs = [Request(f"r{i}", p, SamplingParams.from_dict({"temperature": 0, "max_new_tokens": n}), False, -1, 0,
+                        False, None) for i, (p, n) in enumerate(zip(prompts, lengths))]
+        runner.step(reqs[:1])
+        for _ in range(3):
+            runner.step([])
+        runner.step(reqs[1:])  # slots 1-3, padded to 4 rows
+        while runner.running:
+            runner.step([])
+        return [r.output_ids for r in reqs]
+
+    model = load(model_dir)
+    assert asyncio.run(run()) == [reference_greedy(model, p, n) for p, n in zip(prompts, lengths)]
+
+
 def test_compact_moves_the_last_rows_into_the_holes(model_dir):
     kv = SlotKV(load(model_dir).config, slots=6, dtype=torch.float32, device=torch.device("cpu"), max_capacity=4096)
     kv.reserve(10)
-    assert kv.capacity == MIN_CAPACITY and kv.k.shape == kv.v.shape == (2, 6, 2, MIN_CAPACITY, 16)
+    # 6 slots and the scratch slot
+    assert kv.capacity == MIN_CAPACITY and kv.k.shape == kv.v.shape == (2, 7, 2, MIN_CAPACITY, 16)
     for slot in range(6):
         kv.k[:, slot], kv.v[:, slot] = slot, -slot
         kv.pos[slot], kv.ids[slot] = 100 + slot, 200 + slot

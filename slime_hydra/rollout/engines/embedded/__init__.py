@@ -121,16 +121,21 @@ graphs are captured again, as they are after any release of the weights: the par
 
 Modules
 -------
-Data flows one way: ``server`` -> ``scheduler`` -> ``runner`` -> ``sampling`` (and ``slots``); ``protocol`` is used by
-all of them and uses none.
+Data flows one way: ``server`` -> ``scheduler`` -> ``runner`` -> ``sampling`` (and ``slots``, ``graphs``); ``protocol``
+is used by all of them and uses none.
 
 - ``protocol``: the request side of the protocol: ``SamplingParams``, ``Request``, ``RequestError``, a /generate body
   -> Requests, a finished Request -> its response dict.
 - ``sampling``: next tokens and their logprobs from logits (temperature, top-k / top-p / min-p, seeded draws).
-- ``slots``: the slot KV cache, the attention that uses it, and the decode CUDA graphs.
+- ``slots``: the slot KV cache and the attention that uses it.
+- ``graphs``: decode and prefill steps as CUDA graphs, and the decoder layers compiled for decode.
 - ``routing``: hooks on a MoE model's routers that record the experts of every token run (also under CUDA graphs).
 - ``runner``: ``ModelRunner``, the model and all work on the model thread (prefill, decode, weights, memory).
 - ``scheduler``: ``Engine``, the queues and the coroutine that hands the runner one step or control operation at a time.
 - ``server``: the aiohttp routes (``build_app``) and ``read_checkpoint``.
 - ``__main__``: the command line.
 """
+
+PREFILL_GRAPH_TOKENS = 4096
+"""The largest prefill (row bucket x padded width, in tokens) that runs as a CUDA graph (graphs.py); the memory plan
+counts its activations (config/memory.py)."""

@@ -21,10 +21,9 @@ import torch
 from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError
 from slime_hydra.rollout.engines.embedded.routing import RoutingCapture
 from slime_hydra.rollout.engines.embedded.sampling import fused_draw, sample, score_prompt
-from slime_hydra.rollout.engines.embedded.slots import (
-    DecodeGraphs, GraphCaptureError, SlotKV, compile_decode_layers, register_attention,
-)
-from slime_hydra.weight_transport import adapter_key, destroy_weight_update_group, split_adapter_key
+from slime_hydra.rollout.engines.embedded.graphs import PrefillGraphs, StepGraphs, compile_decode_layers
+from slime_hydra.rollout.engines.embedded.slots import SlotKV, register_attention
+from slime_hydra.weight_transport import adapter_key, destroy_weight_update_group
 
 logger = logging.getLogger("slime_hydra.engine")
 
@@ -48,10 +47,10 @@ class ModelRunner:
     def __init__(self, model_path: str, device: str, dtype: str, max_batch_size: int, context_length: Optional[int],
                  tokenizer_path: Optional[str], weight_version: str, cuda_graph: bool, lora: Optional[dict] = None,
                  return_routed_experts: bool = False, torch_compile: Optional[bool] = None):
-        """torch_compile: compile the decoder layers' decode step (``slots.compile_decode_layers``) and the plain
-        sampler (None: on CUDA for models without MoE layers). lora: a PEFT LoRA adapter config (adapter_config.json's dict):
-        its adapters are added to the model (B = 0, so the function is still the base model's until an update sets
-        them) and kept in fp32, as the trainer's PEFT model keeps them: each adapted linear computes
+        """torch_compile: compile the decoder layers' decode step (``graphs.compile_decode_layers``) and the plain
+        sampler (None: on CUDA for models without MoE layers). lora: a PEFT LoRA adapter config (adapter_config.json's
+        dict): its adapters are added to the model (B = 0, so the function is still the base model's until an update
+        sets them) and kept in fp32, as the trainer's PEFT model keeps them: each adapted linear computes
         W x + (lora_alpha / r) B A x on the upcast input.
         return_routed_experts: record the experts every MoE layer chose for every token run (routing.py)."""
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -118,8 +117,10 @@ class ModelRunner:
             compile_decode_layers(self._body.layers)
         self._fused_sample = torch.compile(fused_draw) if self.compiled else None
         """The compiled plain sampler (``sampling.fused_draw``; None: not compiled)."""
-        self.graphs = (DecodeGraphs(self._decode_forward, max_batch_size)
-                       if cuda_graph and self.device.type == "cuda" else None)
+        graphed = cuda_graph and self.device.type == "cuda"
+        self.graphs = StepGraphs(self._decode_forward, max_batch_size, "decode") if graphed else None
+        self.prefill_graphs = (PrefillGraphs(self._prefill_forward, self._head, max_batch_size, self.device)
+                               if graphed else None)
         self.kv.on_move = self._drop_graphs
         self.peak_running = 0
         """Most rows ever decoded together (shows that batching happened)."""
@@ -374,29 +375,34 @@ class ModelRunner:
         self.running = kept
 
     def _prefill(self, reqs: list[Request]) -> None:
-        """Run prompt (+ tokens so far, for a retracted request) of each admitted request into the next free slots."""
+        """Run prompt (+ tokens so far, for a retracted request) of each admitted request into the next free slots,
+        replaying a CUDA graph when ``_graph_width`` allows."""
         seqs = [r.prompt_ids + r.output_ids for r in reqs]
         lengths = [len(s) for s in seqs]
-        width = max(lengths)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)  # right-padded: column p is position p
-        ids = ids.to(self.device)
         start = len(self.running)
-        self.kv.reserve(width)
-        self.kv.prefill(start)
-        positions = torch.arange(width, device=self.device).expand(len(seqs), -1)
-        hidden = self._body(input_ids=ids, position_ids=positions, slot_kv=self.kv, use_cache=False).last_hidden_state
-        last = torch.tensor(lengths, device=self.device) - 1
-        logits = self._head(hidden[torch.arange(len(seqs), device=self.device), last]).float()
-        if self.routing is not None:  # a re-prefilled (retracted) request's experts start again from here
-            routed = self.routing.prefill_rows(len(seqs), width)
+        slots = list(range(start, start + len(seqs)))
+        graphed = self.prefill_graphs is not None and self.routing is None and not any(
+            r.wants_input_logprobs for r in reqs)  # those read the hidden states of every position
+        width = self.prefill_graphs.width(len(seqs), max(lengths), self.context_length) if graphed else None
+        if width is not None:
+            self.kv.reserve(width)
+            logits = self.prefill_graphs.run(seqs, slots, self.kv.scratch, width)
+        else:
+            width = max(lengths)
+            ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=self.device)  # right-padded
+            self.kv.reserve(width)
+            hidden = self._prefill_forward(ids, torch.tensor(slots, device=self.device))
+            last = torch.tensor(lengths, device=self.device) - 1
+            logits = self._head(hidden[torch.arange(len(seqs), device=self.device), last])
+            if self.routing is not None:  # a re-prefilled (retracted) request's experts start again from here
+                routed = self.routing.prefill_rows(len(seqs), width)
+                for i, r in enumerate(reqs):
+                    if r.routed_experts is not None:
+                        r.routed_experts = [routed[i, :lengths[i]]]
             for i, r in enumerate(reqs):
-                if r.routed_experts is not None:
-                    r.routed_experts = [routed[i, :lengths[i]]]
-        for i, r in enumerate(reqs):
-            if r.wants_input_logprobs:
-                score_prompt(r, self._head(hidden[i, :len(r.prompt_ids) - 1]).float())
+                if r.wants_input_logprobs:
+                    score_prompt(r, self._head(hidden[i, :len(r.prompt_ids) - 1]).float())
+        logits = logits.float()
         drawn = sample(logits, reqs)
         rows = slice(start, start + len(reqs))
         self.kv.pos[rows] = torch.tensor(lengths, device=self.device)
@@ -406,6 +412,13 @@ class ModelRunner:
             if r.params.max_new_tokens == 0:
                 r.finish_reason = {"type": "length", "length": 0}
         self._take(reqs, drawn)
+
+    def _prefill_forward(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Hidden states [rows, width, hidden] of right-padded sequences ``ids`` (column p is position p), each row's
+        keys and values written to its slot (what a prefill CUDA graph captures)."""
+        self.kv.prefill(slots)
+        positions = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
+        return self._body(input_ids=ids, position_ids=positions, slot_kv=self.kv, use_cache=False).last_hidden_state
 
     def _decode(self) -> list[Request]:
         """One decode step, launched before the host takes in the previous step's tokens (``_in_flight``; the
@@ -426,7 +439,7 @@ class ModelRunner:
         longest = max(r.num_tokens for r in rows) + (1 if ahead else 0)  # the newest token's column + 1
         self.kv.reserve(longest)
         window = self.kv.window_for(longest)
-        logits = self._graph_decode(n, window) if self.graphs is not None else self._decode_forward(n, window)
+        logits = (self.graphs.run if self.graphs is not None else self._decode_forward)(n, window)
         self.kv.pos[:n] += 1
         routed = self.routing.decode_rows(n) if self.routing is not None else None
         drawn = sample(logits, rows, self._fused_sample)
@@ -448,16 +461,6 @@ class ModelRunner:
                 r.append(tokens[i], logprobs[i], tops[i] if tops else None, self.eos_ids, self.context_length,
                          self.tokenizer)
 
-    def _graph_decode(self, n: int, window: int) -> torch.Tensor:
-        """The decode step from its CUDA graph; a step that cannot be captured runs eagerly from then on."""
-        try:
-            return self.graphs.run(n, window)
-        except GraphCaptureError as error:
-            logger.warning("CUDA graphs off for this engine: %s", error)
-            self.graphs = None
-            torch.cuda.synchronize(self.device)
-            return self._decode_forward(n, window)
-
     def _decode_forward(self, n: int, window: int) -> torch.Tensor:
         """Logits [n, vocab] (the model's dtype; ``sample`` upcasts) of the next token of slots 0..n-1, attention
         reading columns 0..window-1 (what a CUDA graph captures)."""
@@ -472,11 +475,17 @@ class ModelRunner:
                 self.routing.decoding = False
         return self._head(hidden[:, -1])
 
+    @property
+    def step_graphs(self) -> list[StepGraphs]:
+        """The decode and prefill graphs (none without CUDA graphs)."""
+        return [g for g in (self.graphs, self.prefill_graphs and self.prefill_graphs.graphs) if g is not None]
+
     def _drop_graphs(self) -> None:
-        if self.graphs is not None:
-            if self.device.type == "cuda":  # a step in flight may still be replaying one
-                torch.cuda.synchronize(self.device)
-            self.graphs.drop()
+        graphs = self.step_graphs
+        if graphs and self.device.type == "cuda":  # a step in flight may still be replaying one
+            torch.cuda.synchronize(self.device)
+        for g in graphs:
+            g.drop()
 
     # -- descriptions ----------------------------------------------------------------------------------------------
 
