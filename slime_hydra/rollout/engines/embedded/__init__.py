@@ -59,13 +59,13 @@ A scheduler coroutine owns the running batch and calls the model from one worker
 iteration: either the prefill of newly admitted requests (FIFO, up to ``--max-batch-size`` rows) or one decode step
 of the running batch, so new requests join at step boundaries and finished ones leave at once. Each running request
 owns a slot of a preallocated KV cache, written in place (``slots.py``: layout, attention, memory). On CUDA
-the decode step is replayed from CUDA graphs, one per batch-size bucket and attention window, captured on first use
-(``--disable-cuda-graph`` runs it eagerly), its decoder layers torch.compiled with eager bf16 numerics
+the decode step is replayed from CUDA graphs, one per batch-size bucket and attention window, captured on first use,
+and so are short prefills (``graphs.py``; ``--disable-cuda-graph`` runs both eagerly), its decoder layers torch.compiled with eager bf16 numerics
 (``--torch-compile``, on by default on CUDA for dense models), and each decode step is launched before the host
 takes in the previous one's tokens (``ModelRunner._decode``: the host's bookkeeping overlaps the device's step).
 On one H100 a Qwen2.5-0.5B-shaped model at 256 concurrent requests decodes a step in 2.9 ms in-process (89k
-tokens/s) and serves ~65k generated tokens/s over HTTP (~77k on an H200; docs/benchmarks.md splits an HTTP
-round by the ``step_times`` counters of ``server_info``). Under greedy decoding a request's
+tokens/s) and serves ~65k generated tokens/s over HTTP (80-82k on an H200 with prefills as CUDA graphs too;
+docs/benchmarks.md splits an HTTP round by the ``step_times`` counters of ``server_info``). Under greedy decoding a request's
 tokens match running it alone (same numbers up to float summation order, checked against ``model.generate`` in the
 tests).
 
