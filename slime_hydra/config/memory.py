@@ -95,6 +95,14 @@ class Params:
                 + self.embedding + self.head + self.final_norm)
 
 
+def _mlp_width(m) -> int:
+    """The MLP width a token meets in one layer: ffn_hidden_size, or for MoE moe_ffn_hidden_size x (top-k routed +
+    shared experts)."""
+    if not m.is_moe:
+        return m.ffn_hidden_size
+    return (m.moe_ffn_hidden_size or m.ffn_hidden_size) * (max(m.moe_top_k, 1) + m.moe_shared_experts)
+
+
 def adapted_dims(cfg: SlimeConfig) -> list[tuple[int, int]]:
     """(in, out) of each linear train.lora adapts in one decoder layer (a dense MLP's widths)."""
     m = cfg.model
@@ -221,8 +229,7 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
         usage.parts["bf16 gradients"] = params * 2 / shard  # the compute copy's, added into the fp32 grads after
     tokens, logits = _tokens(cfg, d)
     h, g, dim, hidden = m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.hidden_size
-    width = ((m.moe_ffn_hidden_size or m.ffn_hidden_size) * (max(m.moe_top_k, 1) + m.moe_shared_experts)
-             if m.is_moe else m.ffn_hidden_size)
+    width = _mlp_width(m)
     tp = t.tp if megatron else 1
     per_token = 8 * hidden + (2 * (h + 2 * g) * dim + 2 * (h + g) * dim + 2 * h * dim + 8 * width) / tp
     if m.is_mla:  # the latents (whole on every TP rank), then q, k, v, q and k after RoPE, the attention output
@@ -265,9 +272,7 @@ def engine_usage(cfg: SlimeConfig, d: Derived) -> Usage:
     usage.parts["KV cache"] = kv * 1.5  # growing to the next power of two keeps the old cache until copied
     usage.parts["decode logits + graph outputs"] = 3 * slots * m.vocab_size * 4
     if on_gpu:  # a prefill graph's pool holds one layer's live tensors for PREFILL_GRAPH_TOKENS tokens
-        ffn = ((m.moe_ffn_hidden_size or m.ffn_hidden_size) * (max(m.moe_top_k, 1) + m.moe_shared_experts)
-               if m.is_moe else m.ffn_hidden_size)
-        usage.parts["prefill graphs"] = PREFILL_GRAPH_TOKENS * (4 * m.hidden_size + 3 * ffn) * width
+        usage.parts["prefill graphs"] = PREFILL_GRAPH_TOKENS * (4 * m.hidden_size + 3 * _mlp_width(m)) * width
     return usage
 
 

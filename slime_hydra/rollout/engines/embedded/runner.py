@@ -376,21 +376,20 @@ class ModelRunner:
 
     def _prefill(self, reqs: list[Request]) -> None:
         """Run prompt (+ tokens so far, for a retracted request) of each admitted request into the next free slots,
-        replaying a CUDA graph when ``_graph_width`` allows."""
+        replaying a CUDA graph when ``PrefillGraphs.width`` allows."""
         seqs = [r.prompt_ids + r.output_ids for r in reqs]
         lengths = [len(s) for s in seqs]
         start = len(self.running)
         slots = list(range(start, start + len(seqs)))
         graphed = self.prefill_graphs is not None and self.routing is None and not any(
             r.wants_input_logprobs for r in reqs)  # those read the hidden states of every position
-        width = self.prefill_graphs.width(len(seqs), max(lengths), self.context_length) if graphed else None
-        if width is not None:
-            self.kv.reserve(width)
+        padded = self.prefill_graphs.width(len(seqs), max(lengths), self.context_length) if graphed else None
+        width = padded or max(lengths)
+        self.kv.reserve(width)
+        if padded is not None:
             logits = self.prefill_graphs.run(seqs, slots, self.kv.scratch, width)
         else:
-            width = max(lengths)
             ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=self.device)  # right-padded
-            self.kv.reserve(width)
             hidden = self._prefill_forward(ids, torch.tensor(slots, device=self.device))
             last = torch.tensor(lengths, device=self.device) - 1
             logits = self._head(hidden[torch.arange(len(seqs), device=self.device), last])
