@@ -6,7 +6,7 @@
         --reference none                                                 # the rollout issue's GPU target
 
 Builds a random-init Qwen2 checkpoint (default: the rollout tests' shape, 2 layers, hidden 64, vocab 64) in a temp
-dir, starts the engine as a subprocess (``--max-batch-size`` = batch), warms it up, then times REPEATS rounds of
+dir, starts the engine as a subprocess (``--max-batch-size`` = batch), runs WARMUP rounds, then times REPEATS rounds of
 BATCH concurrent requests (sampling at temperature 1, ``ignore_eos`` so every request makes exactly NEW_TOKENS
 tokens) and prints generated tokens per second of wall time, as seen by the client, and where each round's time went:
 the engine's prefill and decode steps (its ``step_times`` counters), the hand-offs between its event loop and model
@@ -33,6 +33,7 @@ from slime_hydra.model.config import ModelConfig
 from slime_hydra.model.hf import build_random_checkpoint
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines import start_embedded_engine
+from slime_hydra.rollout.engines.embedded.heap import GcTimes, freeze
 
 
 async def server_info(url: str) -> dict:
@@ -57,41 +58,58 @@ async def one_round(client: SGLangClient, prompts: list[list[int]], new_tokens: 
     return done
 
 
-async def rounds(url: str, prompts: list[list[int]], new_tokens: int, repeats: int, reconnect: bool) -> list:
-    """A warm-up round (compiles, captures every graph), then ``repeats`` timed ones; returns each timed round's
-    answer times and the change of the engine's step counters over it (``step_times``: steps, model_s, wait_s,
-    answer_s by kind; ``captures``: CUDA graphs captured). One client keeps its connections open across rounds, as
+async def rounds(url: str, prompts: list[list[int]], new_tokens: int, warmup: int, repeats: int,
+                 reconnect: bool) -> list:
+    """``warmup`` rounds (they compile the decode layers and capture graphs; a prefill graph is captured the first
+    time its row bucket is met, and how the requests split into prefills differs from round to round), then
+    ``repeats`` timed ones; returns each timed round's answer times and the change of the engine's counters over it
+    (``step_times``: steps, runs, model_s, wait_s, answer_s by kind; ``gc``: collections and their seconds by
+    generation, and ``client_s``, this process's collection seconds; CUDA graphs captured). One client keeps its connections open across rounds, as
     the rollout's client does for a whole run; ``reconnect``: a new client (BATCH new TCP connections) every round."""
     client = SGLangClient(url, timeout_s=600)
+    # This process's heap (torch's objects and more) is frozen, as the engine's is: unfrozen, one collection of its
+    # oldest generation stalled a round by 0.2-0.3 s on an H200, a client's pause, not the engine's. ``ours``
+    # counts the collections that still run.
+    freeze()
+    ours = GcTimes()
+    ours.start()
     try:
         out = []
-        for _ in range(repeats + 1):
+        for _ in range(warmup + repeats):
+            mine = ours.as_dict()
             before = await client.server_info()
             if reconnect:
                 await client.close()
             answers = await one_round(client, prompts, new_tokens)
             after = await client.server_info()
-            steps = {kind: {k: v - before["internal_states"][0]["step_times"][kind][k] for k, v in times.items()}
-                     for kind, times in after["internal_states"][0]["step_times"].items()}
-            out.append((answers, steps, after["cuda_graph_captures"] - before["cuda_graph_captures"]))
-        return out[1:]
+            (was, now) = (before["internal_states"][0], after["internal_states"][0])
+            steps = {kind: {k: v - was["step_times"][kind][k] for k, v in times.items()}
+                     for kind, times in now["step_times"].items()}
+            gc = {k: [a - b for a, b in zip(now["gc"][k], was["gc"][k])] for k in ("collections", "seconds")}
+            gc["client_s"] = sum(ours.seconds) - sum(mine["seconds"])
+            out.append((answers, steps, gc, after["cuda_graph_captures"] - before["cuda_graph_captures"]))
+        return out[warmup:]
     finally:
+        ours.stop()
         await client.close()
 
 
-def where_it_went(answers: list[float], steps: dict, captures: int) -> str:
+def where_it_went(answers: list[float], steps: dict, gc: dict, captures: int) -> str:
     """One round's wall time split into the engine's steps, their hand-offs and answering, and the rest (HTTP in and
-    out, scheduler loop)."""
+    out, scheduler loop); and the garbage collections within it (on either thread, so inside any of those parts)."""
     parts = []
     for kind, t in steps.items():
         if t["steps"]:
-            parts.append(f"{t['steps']} {kind} {t['model_s']:.3f}s ({1e3 * t['model_s'] / t['steps']:.2f} ms each)")
+            parts.append(f"{t['steps']} {kind} in {t['runs']} runs {t['model_s']:.3f}s "
+                         f"({1e3 * t['model_s'] / t['steps']:.2f} ms each)")
     handoff = sum(t["wait_s"] - t["model_s"] for t in steps.values())
     answer = sum(t["answer_s"] for t in steps.values())
     rest = answers[-1] - sum(t["wait_s"] + t["answer_s"] for t in steps.values())
     return (f"{answers[-1]:.3f}s = " + " + ".join(parts) + f" + hand-offs {handoff:.3f}s + answering {answer:.3f}s"
             f" + rest {rest:.3f}s; answers at {answers[0]:.2f} / {statistics.median(answers):.2f} / "
-            f"{answers[-1]:.2f}s (first / median / last); {captures} graphs captured")
+            f"{answers[-1]:.2f}s (first / median / last); garbage collections: engine {sum(gc['seconds']):.3f}s "
+            f"({gc['collections'][2]} of the oldest generation), client {gc['client_s']:.3f}s; "
+            f"{captures} graphs captured")
 
 
 @torch.no_grad()
@@ -120,7 +138,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 2; with --model: its own)")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=64)
@@ -154,12 +173,13 @@ def main() -> None:
                                    extra_args=extra, log_path=work / "engine.log")
     try:
         threads = asyncio.run(server_info(engine.url))["torch_threads"]
-        timed = asyncio.run(rounds(engine.url, prompts, args.new_tokens, args.repeats, args.reconnect))
+        timed = asyncio.run(rounds(engine.url, prompts, args.new_tokens, args.warmup, args.repeats,
+                                     args.reconnect))
         peak = asyncio.run(server_info(engine.url)).get("max_memory_allocated_bytes")
     finally:
         engine.stop()
     tokens = args.batch * args.new_tokens
-    times = [answers[-1] for answers, _, _ in timed]
+    times = [answers[-1] for answers, *_ in timed]
     experts = f", {shape.num_experts} experts top-{shape.moe_top_k}" if shape.is_moe else ""
     print(f"model: {shape.family} {shape.num_layers} layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}"
           f"{experts}, "

@@ -3,6 +3,7 @@ weight updates (disk, tensor payload, gloo broadcast from a sender process), mem
 module; tests that change its weights put the first checkpoint back before they end."""
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 from slime_hydra.rollout.client import EngineError, EngineTimeout, EngineUnavailable, SGLangClient
 from slime_hydra.net import free_port
 from slime_hydra.rollout.engines import start_embedded_engine
+from slime_hydra.rollout.engines.embedded.heap import GcTimes
 from slime_hydra.rollout.engines.embedded.server import read_checkpoint
 from slime_hydra.weight_transport import dtype_name
 from tests.rollout.helpers import (
@@ -127,15 +129,52 @@ async def test_logprobs_match_full_forward(engine, models):
 async def test_step_times_count_the_steps_of_a_request(engine):
     """server_info's step_times (what the benchmark splits a round's time by): a request of 10 tokens alone takes
     one prefill (its first token) and 10 decode steps (9 tokens; each step takes in the previous step's token, the last
-    one only that), each timed on the model thread within the scheduler's wait."""
+    one only that), each timed on the model thread within the scheduler's wait. With nothing else to do, the decode
+    steps run as one hand-off to the model thread (the last one finishes the request)."""
     async with SGLangClient(engine.url) as c:
         before = (await c.server_info())["internal_states"][0]["step_times"]
         await gen(engine.url, [1, 2, 3], {**GREEDY, "max_new_tokens": 10})
         after = (await c.server_info())["internal_states"][0]["step_times"]
     delta = {kind: {k: v - before[kind][k] for k, v in times.items()} for kind, times in after.items()}
     assert delta["prefill"]["steps"] == 1 and delta["decode"]["steps"] == 10
+    assert delta["prefill"]["runs"] == 1 and delta["decode"]["runs"] == 1
     assert delta["prefill"]["model_s"] > 0 and delta["decode"]["model_s"] > 0
     assert all(0 <= t["model_s"] <= t["wait_s"] and t["answer_s"] >= 0 for t in delta.values())
+
+
+async def test_a_request_joins_a_run_of_decode_steps_at_the_next_step(engine):
+    """Decode steps run on the model thread without handing back to the event loop until there is news
+    (scheduler._decode_until_news): a request arriving meanwhile is admitted at the next step boundary, not when the
+    running request finishes, and both give what they give alone. Ordered by steps, not timed: the short request
+    needs 1 prefill and 4 decode steps after it arrives, the long one has ~1,900 left."""
+    prompt = PROMPTS[2]
+    async with SGLangClient(engine.url) as c:
+        solo = tokens(await c.generate(prompt, {**GREEDY, "max_new_tokens": 5}))
+        long = asyncio.create_task(c.generate(PROMPTS[1], {**GREEDY, "max_new_tokens": 2000}))
+        await wait_running(c, len(PROMPTS[1]) + 20)
+        short = await c.generate(prompt, {**GREEDY, "max_new_tokens": 5})
+        assert not long.done() and tokens(short) == solo
+        assert len(tokens(await long)) == 2000
+
+
+def test_gc_times_count_collections_while_started():
+    """heap.GcTimes, what server_info reports as "gc": a collection of the oldest generation while started counts
+    once with its seconds; none after stop."""
+    times = GcTimes()
+    times.start()
+    gc.collect()
+    times.stop()
+    assert times.collections[2] == 1 and times.seconds[2] > 0
+    gc.collect()
+    assert times.as_dict()["collections"][2] == 1
+
+
+async def test_the_engine_process_freezes_its_heap(engine):
+    """The command-line engine owns its process and freezes its heap once loaded (heap.freeze): later collections
+    walk only what came after."""
+    async with SGLangClient(engine.url) as c:
+        states = (await c.server_info())["internal_states"][0]["gc"]
+    assert states["frozen_objects"] > 10_000 and len(states["collections"]) == len(states["seconds"]) == 3
 
 
 async def test_batched_equals_alone(engine):

@@ -55,19 +55,20 @@ EOS ids are the union of ``config.json``, ``generation_config.json`` and the tok
 
 Batching
 --------
-A scheduler coroutine owns the running batch and calls the model from one worker thread, one model call per
-iteration: either the prefill of newly admitted requests (FIFO, up to ``--max-batch-size`` rows) or one decode step
-of the running batch, so new requests join at step boundaries and finished ones leave at once. Each running request
-owns a slot of a preallocated KV cache, written in place (``slots.py``: layout, attention, memory). On CUDA
-the decode step is replayed from CUDA graphs, one per batch-size bucket and attention window, captured on first use,
-and so are short prefills (``graphs.py``; ``--disable-cuda-graph`` runs both eagerly), its decoder layers torch.compiled with eager bf16 numerics
-(``--torch-compile``, on by default on CUDA for dense models), and each decode step is launched before the host
-takes in the previous one's tokens (``ModelRunner._decode``: the host's bookkeeping overlaps the device's step).
-On one H100 a Qwen2.5-0.5B-shaped model at 256 concurrent requests decodes a step in 2.9 ms in-process (89k
-tokens/s) and serves ~65k generated tokens/s over HTTP (80-82k on an H200 with prefills as CUDA graphs too;
-docs/benchmarks.md splits an HTTP round by the ``step_times`` counters of ``server_info``). Under greedy decoding a request's
-tokens match running it alone (same numbers up to float summation order, checked against ``model.generate`` in the
-tests).
+A scheduler coroutine owns the running batch and calls the model from one worker thread, one hand-off per iteration:
+either the prefill of newly admitted requests (FIFO, up to ``--max-batch-size`` rows) or decode steps of the running
+batch until one finishes a request or anything waits for a step boundary (a new request, an abort, a pause, a weight
+update), so new requests join at the next step boundary and finished ones leave at once. Each running request owns a
+slot of a preallocated KV cache, written in place (``slots.py``: layout, attention, memory). On CUDA the decode step
+is replayed from CUDA graphs, one per batch-size bucket and attention window, captured on first use, and so are
+short prefills (``graphs.py``; ``--disable-cuda-graph`` runs both eagerly), its decoder layers torch.compiled with
+eager bf16 numerics (``--torch-compile``, on by default on CUDA for dense models), and each decode step is launched
+before the host takes in the previous one's tokens (``ModelRunner._decode``: the host's bookkeeping overlaps the
+device's step). On one H100 a Qwen2.5-0.5B-shaped model at 256 concurrent requests decodes a step in 2.9 ms
+in-process (89k tokens/s) and serves ~65k generated tokens/s over HTTP (79-83k in rounds that capture no new graph
+on an H200, with prefills as CUDA graphs too; docs/benchmarks.md splits an HTTP round by the ``step_times`` counters
+of ``server_info``). Under greedy decoding a request's tokens match running it alone (same numbers up to float
+summation order, checked against ``model.generate`` in the tests).
 
 Aborts, pausing, weight versions
 --------------------------------
@@ -131,7 +132,10 @@ is used by all of them and uses none.
 - ``graphs``: decode and prefill steps as CUDA graphs, and the decoder layers compiled for decode.
 - ``routing``: hooks on a MoE model's routers that record the experts of every token run (also under CUDA graphs).
 - ``runner``: ``ModelRunner``, the model and all work on the model thread (prefill, decode, weights, memory).
-- ``scheduler``: ``Engine``, the queues and the coroutine that hands the runner one step or control operation at a time.
+- ``scheduler``: ``Engine``, the queues and the coroutine that hands the runner a prefill, a run of decode steps or a
+  control operation at a time.
+- ``heap``: the engine process's garbage collections, timed (``server_info``) and kept off the long-lived objects
+  (``gc.freeze`` once loaded and after each CUDA graph capture).
 - ``server``: the aiohttp routes (``build_app``) and ``read_checkpoint``.
 - ``__main__``: the command line.
 """

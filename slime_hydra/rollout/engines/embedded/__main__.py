@@ -87,7 +87,7 @@ def main(argv=None) -> None:
                     torch_compile={"auto": None, "on": True, "off": False}[args.torch_compile],
                     context_length=args.context_length, tokenizer_path=args.tokenizer_path,
                     weight_version=args.weight_version, host=args.host, port=args.port, lora=args.lora_config,
-                    return_routed_experts=args.enable_return_routed_experts)
+                    return_routed_experts=args.enable_return_routed_experts, freeze_heap=True)
     runner = engine.runner
     logger.info("loaded %s on %s (%s) in %.1f s; tokenizer: %s; pid %d", runner.model_path, runner.device,
                 runner.dtype, time.monotonic() - started, runner.tokenizer_path, os.getpid())

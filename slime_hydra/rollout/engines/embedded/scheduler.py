@@ -6,8 +6,9 @@ State it owns: the waiting queue (FIFO), every live request by rid (waiting or r
 Each iteration of ``_schedule_forever`` does, in order: finish aborted requests, retract the batch if asked, run the
 first control operation if it may run now (a draining one waits for an empty batch unless generation is paused),
 otherwise admit waiting requests into free rows (none while a control operation waits; only those that run with the
-batch's LoRA adapter, the next one's put in place once the batch is empty) and run one step: a prefill if
-anything was admitted, else a decode of the batch. A decode step leaves its tokens in flight (the runner takes them
+batch's LoRA adapter, the next one's put in place once the batch is empty) and run a prefill if anything was
+admitted, else decode steps of the batch, on the model thread, until a request finishes or any of the above waits
+for a step boundary (``_decode_until_news``). A decode step leaves its tokens in flight (the runner takes them
 in during the next step); before anything else touches the batch (aborts, retracts, control operations, going
 idle) the scheduler has the runner settle it. Nothing steps while generation is paused or the weights are
 released; with nothing to do it sleeps until woken. Finished requests are answered here (``protocol.response``); a
@@ -26,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from slime_hydra.rollout.engines.embedded import heap
 from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError, SamplingParams, response
 from slime_hydra.rollout.engines.embedded.runner import ModelRunner
 
@@ -38,10 +40,12 @@ STEP_KINDS = ("prefill", "decode", "settle")
 @dataclass
 class StepTimes:
     """Totals of one kind of runner step since the engine started (``server_info``'s ``internal_states``): how many
-    ran, seconds they ran on the model thread, seconds the scheduler waited for them (the difference is the hand-off
-    between the event loop and the model thread) and seconds it then spent answering the requests they finished. A
-    client diffs two readings to see where an interval went."""
+    ran and in how many hand-offs, seconds they ran on the model thread, seconds the scheduler waited for them (the
+    difference is the hand-offs between the event loop and the model thread) and seconds it then spent answering the
+    requests they finished. A client diffs two readings to see where an interval went."""
     steps: int = 0
+    runs: int = 0
+    """Hand-offs to the model thread (a run of decode steps is one, ``Engine._decode_until_news``)."""
     model_s: float = 0.0
     wait_s: float = 0.0
     answer_s: float = 0.0
@@ -63,7 +67,7 @@ class Engine:
                  context_length: Optional[int] = None, tokenizer_path: Optional[str] = None,
                  weight_version: str = "0", host: str = "127.0.0.1", port: int = 0, cuda_graph: bool = True,
                  lora: Optional[dict] = None, return_routed_experts: bool = False,
-                 torch_compile: Optional[bool] = None):
+                 torch_compile: Optional[bool] = None, freeze_heap: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         self.runner = ModelRunner(model_path, device, dtype, max_batch_size, context_length, tokenizer_path,
@@ -88,14 +92,25 @@ class Engine:
         self.generated_tokens = 0
         self.started = time.time()
         self.step_times = {kind: StepTimes() for kind in STEP_KINDS}
+        self._decodes = 0
+        """Decode steps the last ``_decode_until_news`` ran."""
+        self._stopping = False
+        self.gc_times = heap.GcTimes()
+        self.freeze_heap = freeze_heap
+        """The engine owns its process: freeze the heap now and after every step that captured a graph
+        (``heap.freeze``)."""
+        if freeze_heap:
+            heap.freeze()
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._wake, self._finished = asyncio.Event(), asyncio.Event()
+        self.gc_times.start()
         self._task = asyncio.create_task(self._schedule_forever(), name="scheduler")
 
     async def stop(self) -> None:
+        self._stopping = True  # ends a run of decode steps on the model thread at the next step
         if self._task is not None:
             self._task.cancel()
             try:
@@ -105,6 +120,7 @@ class Engine:
         # A step may still be running on the model thread: fail the futures, leave its batch alone.
         self._fail_everything("engine shutting down", clear_batch=False)
         self.runner.leave_groups()
+        self.gc_times.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -316,9 +332,12 @@ class Engine:
             await self._run_step(loop, None)
 
     async def _run_step(self, loop, admit: Optional[list[Request]]) -> None:
-        """One runner step (admit None: only settle the step in flight) and answer the requests that finished."""
-        work = self.runner.settle if admit is None else partial(self.runner.step, admit)
+        """One runner step (admit None: only settle the step in flight; admit []: decode steps until one finishes a
+        request or the scheduler has news, ``_decode_until_news``) and answer the requests that finished."""
+        work = (self.runner.settle if admit is None else partial(self.runner.step, admit) if admit
+                else self._decode_until_news)
         times = self.step_times["settle" if admit is None else "prefill" if admit else "decode"]
+        captures = self._captures() if self.freeze_heap else None
 
         def timed():
             start = time.perf_counter()
@@ -338,12 +357,30 @@ class Engine:
                 self._fail(r, f"model step failed: {type(exc).__name__}: {exc}")
             return
         finally:
-            times.steps += 1
+            times.steps += self._decodes if admit == [] else 1
+            times.runs += 1
             times.wait_s += time.perf_counter() - start
+            if captures is not None and self._captures() != captures:
+                heap.freeze()
         start = time.perf_counter()
         for r in finished:
             self._complete(r)
         times.answer_s += time.perf_counter() - start
+
+    def _decode_until_news(self) -> list[Request]:
+        """Decode steps, on the model thread, until one finishes a request or something waits for a step boundary:
+        a request that could be admitted, a control operation, an abort, a retract, a pause or the engine stopping
+        (the flags the event loop sets; each step reads them afresh). One hand-off to the event loop per run instead
+        of one per step: on one H200 the per-step hand-offs took 7-11% of a bench round, on another almost nothing
+        (docs/benchmarks.md). Sets ``_decodes``, the steps run (a failed one included)."""
+        self._decodes = 0
+        while True:
+            self._decodes += 1
+            finished = self.runner.step([])
+            if (finished or not self.runner.running or self._stopping or self._controls or self._abort_pending
+                    or self._retract_pending or self.paused
+                    or (self._waiting and len(self.runner.running) < self.max_batch_size)):
+                return finished
 
     async def _reap_aborted(self, loop) -> None:
         self._abort_pending = False
@@ -386,6 +423,10 @@ class Engine:
 
     # -- descriptions ----------------------------------------------------------------------------------------------
 
+    def _captures(self) -> int:
+        """CUDA graphs captured since the engine started."""
+        return sum(g.captures for g in self.runner.step_graphs)
+
     def server_info(self) -> dict:
         runner = self.runner
         elapsed = max(time.time() - self.started, 1e-9)
@@ -402,9 +443,10 @@ class Engine:
                 "paused": self.paused, "memory_released": runner.released,
                 "lora_adapters": sorted(self.adapter_paths), "torch_compile": runner.compiled,
                 "cuda_graph": runner.graphs is not None and runner.graphs.failed is None,
-                "cuda_graph_captures": sum(g.captures for g in runner.step_graphs),
+                "cuda_graph_captures": self._captures(),
                 "kv_capacity_tokens": runner.kv.capacity,
                 "internal_states": [{"generated_tokens": self.generated_tokens,
                                      "step_times": {k: asdict(v) for k, v in self.step_times.items()},
+                                     "gc": self.gc_times.as_dict(),
                                      "peak_running_reqs": runner.peak_running,
                                      "avg_gen_throughput": self.generated_tokens / elapsed, **self.load()}]}
