@@ -33,7 +33,7 @@ from slime_hydra.model.config import ModelConfig
 from slime_hydra.model.hf import build_random_checkpoint
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines import start_embedded_engine
-from slime_hydra.rollout.engines.embedded.heap import GcTimes, freeze
+from slime_hydra.heap import GcTimes, freeze
 
 
 async def server_info(url: str) -> dict:

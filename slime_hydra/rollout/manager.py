@@ -29,6 +29,10 @@ text and the buffer drops its group: counted in ``rollout/failed_samples``, the 
 a rollout round in which every group failed stops the run (``RolloutFailure``, with the first error). A reward
 call past ``reward.timeout_s`` scores 0, counted in ``rollout/reward_timeouts``.
 
+Heap. Once started the actor freezes its heap (``heap.freeze``: torch, Ray, the tokenizer and the prompt set are
+never walked by the garbage collector again); ``perf/rollout_gc_time`` is the seconds its collections took since
+the previous batch.
+
 Evaluation (``evaluate``): every ``data.eval`` set with its own samples per prompt, temperature and response
 budget; metrics ``eval/<name>/accuracy`` (fraction of samples whose reward says correct: the dict's ``acc`` when
 there is one, else scalar reward >= 1; a sample whose generation failed, or that a failed sample left unscored in
@@ -59,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from slime_hydra import heap
 from slime_hydra.buffer.buffer import RolloutBuffer
 from slime_hydra.buffer.filters import get_filter
 from slime_hydra.buffer.sample import Sample, Status
@@ -133,9 +138,11 @@ class RolloutManager:
         """/generate calls retried since start."""
         self.failed_samples = 0
         """Samples whose generate function raised (their groups are dropped) since start."""
-        self._reported: dict[str, int] = {}
+        self._reported: dict[str, float] = {}
         self.in_flight = InFlight()
         """Generations and reward groups in flight, for the stall doctor (stall_probe)."""
+        self.gc_times = heap.GcTimes()
+        """This actor's garbage collections (``perf/rollout_gc_time``; its heap is frozen once started)."""
 
     def _records(self, rows: list[dict]) -> list:
         """Generated rows as tokenized records (the adaptive sampler's)."""
@@ -157,6 +164,8 @@ class RolloutManager:
         self.client = SGLangClient(self.router.url, api_key=self.api_key)
         self.slots = asyncio.Semaphore(self.rollout.max_concurrency_per_engine * len(urls))
         self.ctx = RolloutContext(self.rollout, self.client, self.tokenizer, self.max_context)
+        heap.freeze()  # this actor's process is the rollout manager alone
+        self.gc_times.start()
         return urls
 
     # ---- generation ----------------------------------------------------------------------------------------------
@@ -264,9 +273,10 @@ class RolloutManager:
         if self.adaptive:
             metrics.update(self.source.update([r for _, r in sorted(results, key=lambda x: x[0])]))
         # what happened since the previous batch's report (a restart may begin or end between batches)
-        counts = {"engine_restarts": self.pool.restarts_total, "generate_retries": self.generate_retries,
-                  "failed_samples": self.failed_samples, "reward_timeouts": self.reward.timeouts}
-        metrics.update({f"rollout/{k}": float(v - self._reported.get(k, 0)) for k, v in counts.items()})
+        counts = {"rollout/engine_restarts": self.pool.restarts_total,
+                  "rollout/generate_retries": self.generate_retries, "rollout/failed_samples": self.failed_samples,
+                  "rollout/reward_timeouts": self.reward.timeouts, "perf/rollout_gc_time": sum(self.gc_times.seconds)}
+        metrics.update({k: float(v - self._reported.get(k, 0)) for k, v in counts.items()})
         self._reported = counts
         metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(time.monotonic() - start, 1e-9)
         peaks = await self.pool.gpu_peaks()

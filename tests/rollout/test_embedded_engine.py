@@ -3,7 +3,6 @@ weight updates (disk, tensor payload, gloo broadcast from a sender process), mem
 module; tests that change its weights put the first checkpoint back before they end."""
 
 import asyncio
-import gc
 import os
 import subprocess
 import sys
@@ -14,7 +13,6 @@ import pytest
 from slime_hydra.rollout.client import EngineError, EngineTimeout, EngineUnavailable, SGLangClient
 from slime_hydra.net import free_port
 from slime_hydra.rollout.engines import start_embedded_engine
-from slime_hydra.rollout.engines.embedded.heap import GcTimes
 from slime_hydra.rollout.engines.embedded.server import read_checkpoint
 from slime_hydra.weight_transport import dtype_name
 from tests.rollout.helpers import (
@@ -155,18 +153,6 @@ async def test_a_request_joins_a_run_of_decode_steps_at_the_next_step(engine):
         short = await c.generate(prompt, {**GREEDY, "max_new_tokens": 5})
         assert not long.done() and tokens(short) == solo
         assert len(tokens(await long)) == 2000
-
-
-def test_gc_times_count_collections_while_started():
-    """heap.GcTimes, what server_info reports as "gc": a collection of the oldest generation while started counts
-    once with its seconds; none after stop."""
-    times = GcTimes()
-    times.start()
-    gc.collect()
-    times.stop()
-    assert times.collections[2] == 1 and times.seconds[2] > 0
-    gc.collect()
-    assert times.as_dict()["collections"][2] == 1
 
 
 async def test_the_engine_process_freezes_its_heap(engine):

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from slime_hydra.rollout.engines.embedded import heap
+from slime_hydra import heap
 from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError, SamplingParams, response
 from slime_hydra.rollout.engines.embedded.runner import ModelRunner
 
