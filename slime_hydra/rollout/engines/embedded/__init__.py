@@ -133,9 +133,8 @@ is used by all of them and uses none.
 - ``routing``: hooks on a MoE model's routers that record the experts of every token run (also under CUDA graphs).
 - ``runner``: ``ModelRunner``, the model and all work on the model thread (prefill, decode, weights, memory).
 - ``scheduler``: ``Engine``, the queues and the coroutine that hands the runner a prefill, a run of decode steps or a
-  control operation at a time.
-- ``heap``: the engine process's garbage collections, timed (``server_info``) and kept off the long-lived objects
-  (``gc.freeze`` once loaded and after each CUDA graph capture).
+  control operation at a time; with ``freeze_heap`` (the command line) it keeps the garbage collector off the
+  engine's long-lived objects (slime_hydra/heap.py).
 - ``server``: the aiohttp routes (``build_app``) and ``read_checkpoint``.
 - ``__main__``: the command line.
 """
