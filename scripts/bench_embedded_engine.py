@@ -6,15 +6,16 @@
         --reference none                                                 # the rollout issue's GPU target
 
 Builds a random-init Qwen2 checkpoint (default: the rollout tests' shape, 2 layers, hidden 64, vocab 64) in a temp
-dir, starts the engine as a subprocess (``--max-batch-size`` = batch), runs WARMUP rounds, then times REPEATS rounds of
-BATCH concurrent requests (sampling at temperature 1, ``ignore_eos`` so every request makes exactly NEW_TOKENS
-tokens) and prints generated tokens per second of wall time, as seen by the client, and where each round's time went:
-the engine's prefill and decode steps (its ``step_times`` counters), the hand-offs between its event loop and model
-thread, answering, and the rest (HTTP, scheduling); and when the answers arrived (first / median / last). One client
+dir, starts the engine as a subprocess (``--max-batch-size`` = batch), runs WARMUP rounds (``--warmup``), then times
+REPEATS rounds of BATCH concurrent requests (sampling at temperature 1, ``ignore_eos`` so every request makes exactly
+NEW_TOKENS tokens) and prints generated tokens per second of wall time, as seen by the client, and where each round's
+time went: the engine's prefill and decode steps (its ``step_times`` counters), the hand-offs between its event loop
+and model thread, answering, and the rest (HTTP, scheduling); the garbage collections in the engine and in this client
+(whose heap is frozen first, as the engine's is); and when the answers arrived (first / median / last). One client
 keeps its connections across rounds, as the rollout's does (``--reconnect``: new ones every round). ``--model NAME``
-takes the shape from conf/model/NAME.yaml instead (random init; on CUDA the engine runs in bf16, with CUDA graphs unless
-``--eager``; ``--layers`` takes fewer of its layers). For scale it also times ``model.generate`` on the same batch
-in this process (no HTTP, no scheduler; ``--reference none`` skips it).
+takes the shape from conf/model/NAME.yaml instead (random init; on CUDA the engine runs in bf16, with CUDA graphs
+unless ``--eager``; ``--layers`` takes fewer of its layers). For scale it also times ``model.generate`` on the same
+batch in this process (no HTTP, no scheduler; ``--reference none`` skips it).
 """
 
 import argparse
@@ -29,11 +30,11 @@ import torch
 
 import yaml
 
+from slime_hydra.heap import GcTimes, freeze
 from slime_hydra.model.config import ModelConfig
 from slime_hydra.model.hf import build_random_checkpoint
 from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines import start_embedded_engine
-from slime_hydra.heap import GcTimes, freeze
 
 
 async def server_info(url: str) -> dict:
@@ -64,8 +65,9 @@ async def rounds(url: str, prompts: list[list[int]], new_tokens: int, warmup: in
     time its row bucket is met, and how the requests split into prefills differs from round to round), then
     ``repeats`` timed ones; returns each timed round's answer times and the change of the engine's counters over it
     (``step_times``: steps, runs, model_s, wait_s, answer_s by kind; ``gc``: collections and their seconds by
-    generation, and ``client_s``, this process's collection seconds; CUDA graphs captured). One client keeps its connections open across rounds, as
-    the rollout's client does for a whole run; ``reconnect``: a new client (BATCH new TCP connections) every round."""
+    generation, and ``client_s``, this process's collection seconds; CUDA graphs captured). One client keeps its
+    connections open across rounds, as the rollout's client does for a whole run; ``reconnect``: a new client (BATCH
+    new TCP connections) every round."""
     client = SGLangClient(url, timeout_s=600)
     # This process's heap (torch's objects and more) is frozen, as the engine's is: unfrozen, one collection of its
     # oldest generation stalled a round by 0.2-0.3 s on an H200, a client's pause, not the engine's. ``ours``
