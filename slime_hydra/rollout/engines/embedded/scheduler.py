@@ -92,8 +92,6 @@ class Engine:
         self.generated_tokens = 0
         self.started = time.time()
         self.step_times = {kind: StepTimes() for kind in STEP_KINDS}
-        self._decodes = 0
-        """Decode steps the last ``_decode_until_news`` ran."""
         self._stopping = False
         self.gc_times = heap.GcTimes()
         self.freeze_heap = freeze_heap
@@ -334,9 +332,9 @@ class Engine:
     async def _run_step(self, loop, admit: Optional[list[Request]]) -> None:
         """One runner step (admit None: only settle the step in flight; admit []: decode steps until one finishes a
         request or the scheduler has news, ``_decode_until_news``) and answer the requests that finished."""
-        work = (self.runner.settle if admit is None else partial(self.runner.step, admit) if admit
-                else self._decode_until_news)
         times = self.step_times["settle" if admit is None else "prefill" if admit else "decode"]
+        work = (self.runner.settle if admit is None else partial(self.runner.step, admit) if admit
+                else partial(self._decode_until_news, times))
         captures = self._captures() if self.freeze_heap else None
 
         def timed():
@@ -357,7 +355,8 @@ class Engine:
                 self._fail(r, f"model step failed: {type(exc).__name__}: {exc}")
             return
         finally:
-            times.steps += self._decodes if admit == [] else 1
+            if admit != []:  # a run of decode steps counts its own
+                times.steps += 1
             times.runs += 1
             times.wait_s += time.perf_counter() - start
             if captures is not None and self._captures() != captures:
@@ -367,15 +366,14 @@ class Engine:
             self._complete(r)
         times.answer_s += time.perf_counter() - start
 
-    def _decode_until_news(self) -> list[Request]:
+    def _decode_until_news(self, times: StepTimes) -> list[Request]:
         """Decode steps, on the model thread, until one finishes a request or something waits for a step boundary:
         a request that could be admitted, a control operation, an abort, a retract, a pause or the engine stopping
         (the flags the event loop sets; each step reads them afresh). One hand-off to the event loop per run instead
         of one per step: on one H200 the per-step hand-offs took 7-11% of a bench round, on another almost nothing
-        (docs/benchmarks.md). Sets ``_decodes``, the steps run (a failed one included)."""
-        self._decodes = 0
+        (docs/benchmarks.md). Counts each step in ``times`` (a failed one included)."""
         while True:
-            self._decodes += 1
+            times.steps += 1
             finished = self.runner.step([])
             if (finished or not self.runner.running or self._stopping or self._controls or self._abort_pending
                     or self._retract_pending or self.paused
