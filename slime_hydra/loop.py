@@ -316,13 +316,13 @@ class Session:
         self.next_rollout = None
         resends = 0
         while True:
-            with timer.phase("rollout"):
-                ready, _ = ray.wait([future], timeout=WEIGHTS_POLL_S)
-            if ready:
-                break
+            with timer.phase("rollout"):  # asking the manager whether it lost the weights is part of the wait
+                if ray.wait([future], timeout=WEIGHTS_POLL_S)[0]:
+                    break
+                lost = self.trainer is not None and ray.get(self.manager.needs_weights.remote())
             if self.doctor is not None and self.doctor.interrupted:  # its interrupt was swallowed on the way
                 raise KeyboardInterrupt
-            if self.trainer is not None and ray.get(self.manager.needs_weights.remote()):
+            if lost:
                 self.resend_weights(step, timer)
                 resends += 1
         with timer.phase("rollout"):
