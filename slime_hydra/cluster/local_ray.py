@@ -29,8 +29,12 @@ from slime_hydra.net import answers, free_port
 
 START_TIMEOUT_S = 120.0
 """Seconds ``ray start`` may take to open its GCS port."""
+TERM_GRACE_S = 0.5
+"""Seconds the node's process group gets between SIGTERM and SIGKILL. Ray's Python daemons exit within ~20 ms of
+the SIGTERM; the raylet, the GCS and the autoscaler's monitor do not exit on it, and ``ray start`` gives each of them
+1 s in turn before it SIGKILLs it (3.3 s a stop on the CPU machine): they get the SIGKILL from us sooner."""
 STOP_GRACE_S = 10.0
-"""Seconds the node's process group gets between SIGTERM and SIGKILL."""
+"""Seconds ``ray start`` gets to exit after the SIGKILL of its group."""
 TEMP_PREFIX = "ray_sh_"
 OWNER_FILE = "driver.pid"
 """In the temp dir: the pid of the driver that started the node (a dir whose driver is gone is stale)."""
@@ -99,16 +103,16 @@ class LocalRay:
         return Path(self.temp_dir, "session_latest", "logs") if self.temp_dir else None
 
     def stop(self, keep_logs_in: Optional[Path] = None) -> None:
-        """End the node's process group (SIGTERM, then SIGKILL after STOP_GRACE_S), copy Ray's logs into
+        """End the node's process group (SIGTERM, then SIGKILL after TERM_GRACE_S), copy Ray's logs into
         ``keep_logs_in`` and remove the temp dir."""
         if self.proc is not None and self.proc.poll() is None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
+            for sig, wait_s in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
                 try:
                     os.killpg(self.proc.pid, sig)  # start_new_session: the group id is the leader's pid
                 except ProcessLookupError:
                     break
                 try:
-                    self.proc.wait(timeout=STOP_GRACE_S)
+                    self.proc.wait(timeout=wait_s)
                     break
                 except subprocess.TimeoutExpired:
                     continue
@@ -157,3 +161,4 @@ def dead_actor(error: BaseException) -> Optional[tuple[str, int, str]]:
     if not all(found) or not found[1].group(1).isdigit():
         return None
     return found[0].group(1), int(found[1].group(1)), found[2].group(1)
+
