@@ -55,7 +55,7 @@ from slime_hydra import preempt
 from slime_hydra.buffer.rollout_files import load_saved_rollout, save_rollout
 from slime_hydra.buffer.sample import Sample
 from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, complete, find_resume, write_json
-from slime_hydra.cluster.local_ray import LocalRay, dead_actor, set_local_ray_env, worker_log_tail
+from slime_hydra.cluster.local_ray import LocalRay, death_report, set_local_ray_env
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import plan_memory
 from slime_hydra.config.schema import SlimeConfig
@@ -129,10 +129,12 @@ class Session:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.resume_from = find_resume(cfg.resume, run_dir)
         self.placement()
+        together = not (self.on_gpu and cfg.cluster.colocate)  # see start_rollout
+        rollout = self.start_rollout() if self.debug != "train_only" and together else None
         if self.debug != "rollout_only":
             self.start_trainer()
         if self.debug != "train_only":
-            self.start_rollout()
+            self.engine_urls = ray.get(self.start_rollout() if rollout is None else rollout)
         if self.trainer is not None and self.manager is not None:
             self.trainer.connect_rollout(d.weight_sync, self.manager, cfg.train.weight_sync_bucket_mb, str(run_dir),
                                          d.engine_dtype, adapter=d.lora_sync == "adapter")
@@ -179,7 +181,10 @@ class Session:
                                      total, cfg.algo.loss_agg, False, gpus_per_rank=gpus / 2 if gpus else 0.0,
                                      role="critic", cpus_per_rank=0.0)
 
-    def start_rollout(self) -> None:
+    def start_rollout(self) -> ray.ObjectRef:
+        """Create the engine actors and the rollout manager; returns the future of its start (the engine URLs).
+        Called before the trainer starts, so the two sides start at once (processes, imports, the model, the engine
+        servers: seconds each), except colocated on GPUs, where the engines start once the trainer holds its memory."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from slime_hydra.rollout.engines.actor import EngineActor, engine_gpu_ids
@@ -207,7 +212,7 @@ class Session:
                                         lora=lora, return_routed_experts=cfg.algo.routing_replay))
         self.manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
             cfg, str(self.model_path), str(self.run_dir), engines)
-        self.engine_urls = ray.get(self.manager.start.remote())
+        return self.manager.start.remote()
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def train(self) -> str:
@@ -486,15 +491,3 @@ def _init_ray(cfg: SlimeConfig, run_dir: Path) -> Optional[LocalRay]:
         raise
     return node
 
-
-def death_report(error: BaseException, local_ray: Optional[LocalRay], kept_logs: Path) -> str:
-    """Which process died (Ray's class name and pid) and the last lines of its log (``kept_logs``: where
-    ``LocalRay.stop`` copies Ray's logs), for the message a run stops with; the logs of workers on other nodes
-    stay in Ray's session logs there."""
-    dead = dead_actor(error)
-    if dead is None:
-        return f"a Ray actor died: {error}"
-    name, pid, ip = dead
-    tail = worker_log_tail(local_ray.logs_dir if local_ray is not None else None, pid, kept_logs)
-    where = tail or f"(its log: worker-*-{pid}.out/.err in Ray's session logs on {ip})"
-    return f"the run stops: {name} (pid {pid} on {ip}) died\n{where}"

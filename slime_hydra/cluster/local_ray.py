@@ -162,3 +162,15 @@ def dead_actor(error: BaseException) -> Optional[tuple[str, int, str]]:
         return None
     return found[0].group(1), int(found[1].group(1)), found[2].group(1)
 
+
+def death_report(error: BaseException, local_ray: Optional[LocalRay], kept_logs: Path) -> str:
+    """Which process died (Ray's class name and pid) and the last lines of its log (``kept_logs``: where
+    ``LocalRay.stop`` copies Ray's logs), for the message a run stops with; the logs of workers on other nodes
+    stay in Ray's session logs there."""
+    dead = dead_actor(error)
+    if dead is None:
+        return f"a Ray actor died: {error}"
+    name, pid, ip = dead
+    tail = worker_log_tail(local_ray.logs_dir if local_ray is not None else None, pid, kept_logs)
+    where = tail or f"(its log: worker-*-{pid}.out/.err in Ray's session logs on {ip})"
+    return f"the run stops: {name} (pid {pid} on {ip}) died\n{where}"
