@@ -75,7 +75,9 @@ async def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--torch-compile", default="auto", choices=["auto", "on", "off"])
-    parser.add_argument("--profile", type=int, default=8, help="decode steps under torch.profiler (0: none)")
+    parser.add_argument("--profile", type=int, default=8, help="decode steps under torch.profiler (0: none), taken "
+                        "halfway through a batch's tokens")
+    parser.add_argument("--trace", default=None, help="write the profiled decode steps' Chrome trace to this file")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -129,7 +131,7 @@ async def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         runner.step(requests())
-        for _ in range(4):
+        for _ in range(args.new_tokens // 2):
             runner.step([])
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
@@ -137,9 +139,11 @@ async def main() -> None:
                 runner.step([])
             if cuda:
                 torch.cuda.synchronize()
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(f"top ops over {args.profile} decode steps (by {key}):")
-        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90))
 
         runner.clear_batch()
         with profile(activities=activities) as prof:

@@ -111,16 +111,26 @@ def test_unsupported_attention_variants_are_refused():
         slot_attention(Layer(), q, k, v, None, sliding_window=4)
 
 
-def test_fused_draw_samples_the_tempered_softmax():
-    """The compiled plain sampler (Gumbel-max) draws from softmax(logits / T) and returns log_softmax(logits / T) at
-    the drawn tokens: 20,000 draws of a 5-token distribution land within 0.015 of its probabilities."""
+def _spread_logits() -> torch.Tensor:
+    """1,000 tokens (not a multiple of SEARCH_BLOCKS, so the last block is padded) with the mass on a few tokens in
+    different blocks, the first and the last token among them."""
+    logits = torch.full((1000,), -4.0)
+    logits[[0, 31, 32, 500, 968, 999]] = torch.tensor([2.0, 1.0, 0.0, 1.5, -1.0, 0.5])
+    return logits
+
+
+@pytest.mark.parametrize("row", [torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5]), _spread_logits()], ids=["5", "1000"])
+def test_fused_draw_samples_the_tempered_softmax(row):
+    """The compiled plain sampler (an inverse-CDF search in blocks) draws from softmax(logits / T) and returns
+    log_softmax(logits / T) at the drawn tokens: 20,000 draws land within 0.015 of every token's probability."""
     torch.manual_seed(0)
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).to(torch.bfloat16).repeat(20_000, 1)
+    logits = row.to(torch.bfloat16).repeat(20_000, 1)
     temperature = torch.full((20_000,), 0.7)
     tokens, chosen = torch.compile(fused_draw)(logits, temperature)
     expected = torch.log_softmax(logits.float() / 0.7, dim=-1)
+    assert int(tokens.max()) < len(row)
     assert torch.allclose(chosen, expected.gather(1, tokens[:, None])[:, 0], atol=1e-6)
-    freq = torch.bincount(tokens, minlength=5).float() / 20_000
+    freq = torch.bincount(tokens, minlength=len(row)).float() / 20_000
     assert (freq - expected[0].exp()).abs().max() < 0.015
 
 
