@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from slime_hydra.rollout.engines.embedded import stacking
 from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError
 from slime_hydra.rollout.engines.embedded.routing import RoutingCapture
 from slime_hydra.rollout.engines.embedded.sampling import fused_draw, sample, score_prompt
@@ -73,6 +74,7 @@ class ModelRunner:
         if lora is not None:
             self._add_adapters(lora)
         self.model.to(self.device).eval().requires_grad_(False)
+        self._stacked = stacking.stack(self.model)  # the modules whose sibling projections run as one matmul
         self._body, self._head = self.model.get_decoder(), self.model.get_output_embeddings()
         self.config = self.model.config
         self.vocab_size = int(text.vocab_size)
@@ -275,6 +277,7 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             for target in self._tensors.values():
                 target.data = torch.empty(0, dtype=target.dtype, device=self.device)
+            stacking.unstack(self._stacked)
             self._parked = parked
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -285,6 +288,7 @@ class ModelRunner:
         for target in self._tensors.values():
             if id(target) in self._parked:
                 target.data = self._parked[id(target)].to(self.device, non_blocking=True)
+        stacking.restack(self._stacked)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._parked = None
