@@ -5,7 +5,7 @@ whole group (``timeout``, a service manager, Ctrl-C in some shells, ``kill -- -P
 moment as the driver and kills them before the driver can write its checkpoint. Started here instead:
 ``ray start --head --block`` in a new session (so the group signal reaches only the driver, whose handler
 checkpoints at the next step boundary and shuts everything down in order), tied to the driver
-(``lifetime.tied_to_parent``: if the driver is killed, ``ray start`` is too and Ray's reaper ends the node), then
+(``lifetime.tied_to_parent``: if the driver is killed, ``ray start`` and its whole group are too), then
 the driver connects with ``ray.init(address=...)``. Its temp dir is private (``/tmp/ray_sh_*``), so a plain
 ``ray.init()`` elsewhere on the machine does not attach to this run's node. ``stop`` ends the node's process group
 (SIGTERM, SIGKILL after a grace period, a bounded wait at every step), copies Ray's logs (each actor's stdout and
@@ -84,7 +84,7 @@ class LocalRay:
                 "--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(tied_to_parent(args), stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(tied_to_parent(args, group=True), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
                                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -49,3 +49,27 @@ def test_the_launcher_refuses_to_start_when_its_parent_is_already_gone():
     out = subprocess.run([sys.executable, "-m", "slime_hydra.lifetime", "1", "true"], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 1 and "parent 1 is gone" in out.stderr
+
+
+GROUP_PARENT = """
+import subprocess, sys, time
+from slime_hydra.lifetime import tied_to_parent
+subprocess.Popen(tied_to_parent(["sh", "-c", "sleep 1000 & echo $!; wait"], group=True), start_new_session=True)
+time.sleep(1000)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_with_group_the_commands_children_die_with_the_process_that_started_it():
+    """As Ray's agents, children of the raylet, of ``ray start``: a grandchild in the group goes too."""
+    parent = subprocess.Popen([sys.executable, "-c", GROUP_PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while not _gone(grandchild):
+            assert time.monotonic() < deadline, "the command's child outlived the process that started it"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
