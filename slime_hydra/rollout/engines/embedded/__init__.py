@@ -64,10 +64,11 @@ is replayed from CUDA graphs, one per batch-size bucket and attention window, ca
 short prefills (``graphs.py``; ``--disable-cuda-graph`` runs both eagerly), its decoder layers torch.compiled with
 eager bf16 numerics (``--torch-compile``, on by default on CUDA for dense models), and each decode step is launched
 before the host takes in the previous one's tokens (``ModelRunner._decode``: the host's bookkeeping overlaps the
-device's step). On one H100 a Qwen2.5-0.5B-shaped model at 256 concurrent requests decodes a step in 2.9 ms
-in-process (89k tokens/s) and serves ~65k generated tokens/s over HTTP (79-83k in rounds that capture no new graph
-on an H200, with prefills as CUDA graphs too; docs/benchmarks.md splits an HTTP round by the ``step_times`` counters
-of ``server_info``). Under greedy decoding a request's tokens match running it alone (same numbers up to float
+device's step). The query/key/value projections of an attention block, and the gate/up projections of an MLP, run
+as one matmul over stacked weights (``stacking.py``). On one H200 a Qwen2.5-0.5B-shaped model at 256 concurrent
+requests decodes a step in 2.3 ms in-process (110k tokens/s) and serves 96k generated tokens/s over HTTP (median of
+7 rounds; docs/benchmarks.md splits a decode step by kernel and an HTTP round by the ``step_times`` counters of
+``server_info``). Under greedy decoding a request's tokens match running it alone (same numbers up to float
 summation order, checked against ``model.generate`` in the tests).
 
 Aborts, pausing, weight versions
@@ -122,14 +123,15 @@ graphs are captured again, as they are after any release of the weights: the par
 
 Modules
 -------
-Data flows one way: ``server`` -> ``scheduler`` -> ``runner`` -> ``sampling`` (and ``slots``, ``graphs``); ``protocol``
-is used by all of them and uses none.
+Data flows one way: ``server`` -> ``scheduler`` -> ``runner`` -> ``sampling`` (and ``slots``, ``graphs``,
+``stacking``); ``protocol`` is used by all of them and uses none.
 
 - ``protocol``: the request side of the protocol: ``SamplingParams``, ``Request``, ``RequestError``, a /generate body
   -> Requests, a finished Request -> its response dict.
 - ``sampling``: next tokens and their logprobs from logits (temperature, top-k / top-p / min-p, seeded draws).
 - ``slots``: the slot KV cache and the attention that uses it.
 - ``graphs``: decode and prefill steps as CUDA graphs, and the decoder layers compiled for decode.
+- ``stacking``: sibling projections (q/k/v, gate/up) as one matmul over stacked weights that keep the model's names.
 - ``routing``: hooks on a MoE model's routers that record the experts of every token run (also under CUDA graphs).
 - ``runner``: ``ModelRunner``, the model and all work on the model thread (prefill, decode, weights, memory).
 - ``scheduler``: ``Engine``, the queues and the coroutine that hands the runner a prefill, a run of decode steps or a
