@@ -33,7 +33,7 @@ def test_stacked_model_computes_the_same_logits_under_the_same_names(kind):
     with torch.no_grad():
         assert torch.allclose(stacked(ids).logits, plain(ids).logits, atol=1e-5)
 
-    # An update copies into the parameters in place (runner.load_weights): it lands in the stacked weights.
+    # An update copies into the parameters in place (Weights.load): it lands in the stacked weights.
     with torch.no_grad():
         for model in (plain, stacked):
             for name, tensor in model.state_dict(keep_vars=True).items():
@@ -41,7 +41,7 @@ def test_stacked_model_computes_the_same_logits_under_the_same_names(kind):
                     tensor.copy_(torch.full_like(tensor, 0.01))
         assert torch.allclose(stacked(ids).logits, plain(ids).logits, atol=1e-5)
 
-    # Parked on the host and back (runner.release / resume_weights): the stacked weights are dropped and rebuilt.
+    # Parked on the host and back (Weights.park / resume): the stacked weights are dropped and rebuilt.
     params = [p for p in stacked.parameters()]
     parked = [p.data.clone() for p in params]
     for p in params:

@@ -124,7 +124,7 @@ graphs are captured again, as they are after any release of the weights: the par
 Modules
 -------
 Data flows one way: ``server`` -> ``scheduler`` -> ``runner`` -> ``sampling`` (and ``slots``, ``graphs``,
-``stacking``); ``protocol`` is used by all of them and uses none.
+``weights`` -> ``stacking``); ``protocol`` is used by all of them and uses none.
 
 - ``protocol``: the request side of the protocol: ``SamplingParams``, ``Request``, ``RequestError``, a /generate body
   -> Requests, a finished Request -> its response dict.
@@ -133,7 +133,8 @@ Data flows one way: ``server`` -> ``scheduler`` -> ``runner`` -> ``sampling`` (a
 - ``graphs``: decode and prefill steps as CUDA graphs, and the decoder layers compiled for decode.
 - ``stacking``: sibling projections (q/k/v, gate/up) as one matmul over stacked weights that keep the model's names.
 - ``routing``: hooks on a MoE model's routers that record the experts of every token run (also under CUDA graphs).
-- ``runner``: ``ModelRunner``, the model and all work on the model thread (prefill, decode, weights, memory).
+- ``weights``: the model's weights by name: updates, parking on the host, named LoRA adapters, weight-update groups.
+- ``runner``: ``ModelRunner``, the model and all work on the model thread (prefill, decode, memory, its weights).
 - ``scheduler``: ``Engine``, the queues and the coroutine that hands the runner a prefill, a run of decode steps or a
   control operation at a time; with ``freeze_heap`` (the command line) it keeps the garbage collector off the
   engine's long-lived objects (slime_hydra/heap.py).

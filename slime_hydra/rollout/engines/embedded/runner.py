@@ -6,10 +6,10 @@ scheduler hands each call over at a step boundary).
 slots or a decode of every running row; each produced token is sampled (``sampling``), appended to its request and
 checked against the finish conditions, and finished rows leave the batch (``SlotKV.compact``). A decode step's
 tokens are taken in while the next step runs on the device (``_decode``), or by ``settle``. As control operations
-it loads weight updates (into the live parameters, or into the parked host copy while released; with LoRA
-adapters, ``lora``, the A and B matrices by their saved-adapter keys), parks and restores
-the weights, and frees the slot cache and the decode graphs. It also keeps ``weight_version`` (the label of the loaded
-weights) and the process groups that distributed weight updates arrive through. It knows nothing of queues or HTTP.
+it releases memory (the weights parked on the host, the slot cache, the decode graphs); its ``weights``
+(weights.py) load updates, park and restore the weights, serve named LoRA adapters and keep the process groups that
+distributed updates arrive through. It also keeps ``weight_version``, the label of the loaded weights. It knows
+nothing of queues or HTTP.
 """
 
 import logging
@@ -18,24 +18,18 @@ from typing import Any, Optional
 
 import torch
 
-from slime_hydra.rollout.engines.embedded import stacking
 from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError
 from slime_hydra.rollout.engines.embedded.routing import RoutingCapture
 from slime_hydra.rollout.engines.embedded.sampling import fused_draw, sample, score_prompt
 from slime_hydra.rollout.engines.embedded.graphs import PrefillGraphs, StepGraphs, compile_decode_layers
 from slime_hydra.rollout.engines.embedded.slots import SlotKV, register_attention
-from slime_hydra.weight_transport import adapter_key, destroy_weight_update_group
+from slime_hydra.rollout.engines.embedded.weights import Weights, add_adapters
 
 logger = logging.getLogger("slime_hydra.engine")
 
 
 def _has_tokenizer(path: Path) -> bool:
     return any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-
-
-def _comparable(value):
-    """A config value as compared between adapters: target-module lists in any order."""
-    return frozenset(value) if isinstance(value, (list, tuple, set)) else value
 
 
 def _bump(version: str) -> str:
@@ -69,12 +63,9 @@ class ModelRunner:
                                  "embedded engine (its logits are the LM head's); serve this model with rollout=sglang")
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
                                                           attn_implementation=register_attention())
-        self.lora = lora
-        """The adapter config the model is served with (None: no adapters)."""
         if lora is not None:
-            self._add_adapters(lora)
+            add_adapters(self.model, lora)
         self.model.to(self.device).eval().requires_grad_(False)
-        self._stacked = stacking.stack(self.model)  # the modules whose sibling projections run as one matmul
         self._body, self._head = self.model.get_decoder(), self.model.get_output_embeddings()
         self.config = self.model.config
         self.vocab_size = int(text.vocab_size)
@@ -92,19 +83,8 @@ class ModelRunner:
                                  if isinstance(t, int))
 
         self.weight_version = weight_version
-        self._tensors = self.model.state_dict(keep_vars=True)
-        """Name -> parameter/buffer (tied weights appear under each of their names) for loading updates."""
-        self._aliases = self._adapter_aliases()
-        """Names updates may use for tensors the model holds under PEFT's names (adapter keys, base weights)."""
-        self._parked: Optional[dict[int, torch.Tensor]] = None
-        """While released: id(parameter) -> its host copy."""
-        self.adapters: dict[str, dict[str, torch.Tensor]] = {}
-        """Named adapters (SGLang's /load_lora_adapter): name -> PEFT parameter name -> tensor (fp32, on the device)."""
-        self.serving: Optional[str] = None
-        """The named adapter whose A and B are in the model's adapter modules; None: the model's own adapter."""
-        self._own: Optional[dict[str, torch.Tensor]] = None
-        """While a named adapter is served: the model's own adapter (what updates by saved-adapter keys set)."""
-        self._groups: dict[str, Any] = {}
+        self.weights = Weights(self.model, self.device, lora)
+        """The weights by name: updates, parking, named adapters, weight-update groups."""
 
         self.running: list[Request] = []
         """The running batch: request b owns KV slot b."""
@@ -139,128 +119,10 @@ class ModelRunner:
 
     # -- weights and memory ----------------------------------------------------------------------------------------
 
-    @property
-    def released(self) -> bool:
-        return self._parked is not None
-
-    def _add_adapters(self, lora: dict) -> None:
-        import peft
-
-        # B = 0 whatever the config says of its init: the engine serves the base until the trainer's adapter arrives
-        peft.inject_adapter_in_model(peft.LoraConfig(**{**lora, "init_lora_weights": True}), self.model)
-        for name, param in self.model.named_parameters():
-            if ".lora_" in name:
-                param.data = param.data.float()
-
-    def _adapter_aliases(self) -> dict[str, str]:
-        """adapter_key(m, X) -> ``m.lora_X.default.weight``; an adapted linear's HF name ``m.weight`` (``m.bias``)
-        -> ``m.base_layer.weight`` (``.bias``), so full HF checkpoints still load."""
-        aliases = {}
-        for name in self._tensors:
-            for which in "AB":
-                if name.endswith(f".lora_{which}.default.weight"):
-                    aliases[adapter_key(name[:-len(f".lora_{which}.default.weight")], which)] = name
-            if ".base_layer." in name:
-                aliases[name.replace(".base_layer.", ".")] = name
-        return aliases
-
-    def holds(self, name: str) -> bool:
-        """Whether an update may name this tensor (a model name, or an alias of one)."""
-        return self._aliases.get(name, name) in self._tensors
-
-    def load_weights(self, named: dict[str, torch.Tensor], complete: bool) -> None:
-        """Copy tensors into the model (or its parked copy); names/shapes are all checked before anything is copied.
-        Names are the HF model's, or saved-adapter keys for the adapters of a model served with LoRA.
-
-        complete: every weight of the kind given must be given (a disk reload: the whole model, or the whole
-        adapter), counting tied weights once.
-        """
-        named = {self._aliases.get(name, name): tensor for name, tensor in named.items()}
-        problems = []
-        for name, tensor in named.items():
-            target = self._tensors.get(name)
-            if target is None:
-                problems.append(f"unknown weight {name!r}")
-            elif tuple(tensor.shape) != tuple(self._shape(target)):
-                problems.append(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(self._shape(target))}")
-        if complete:
-            covered = {id(self._tensors[n]) for n in named if n in self._tensors}
-            adapter = all(".lora_" in n for n in named)
-            missing = [n for n, t in self._tensors.items() if id(t) not in covered and (".lora_" in n) == adapter]
-            if missing:
-                problems.append(f"missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        if problems:
-            raise RequestError("; ".join(problems[:16]))
-        own = {n: t for n, t in named.items() if self._own is not None and n in self._own}
-        self._write({n: t for n, t in named.items() if n not in own})
-        for name, tensor in own.items():  # a named adapter is in the modules: the model's own waits aside
-            self._own[name].copy_(tensor)
-
-    def _write(self, named: dict[str, torch.Tensor]) -> None:
-        """Copy tensors, by the model's own names, into the live parameters (or their parked copies)."""
-        with torch.no_grad():
-            for name, tensor in named.items():
-                target = self._tensors[name]
-                dest = self._parked_or_live(target)
-                dest.copy_(tensor.to(dest.device))
-
-    # -- named adapters (SGLang's LoRA protocol) -------------------------------------------------------------------
-
-    def adapter_problems(self, config: dict) -> list[str]:
-        """Why a PEFT adapter_config cannot be served here: the adapter modules are those of ``--lora-config``, so a
-        named adapter must have the same rank, alpha and target modules, and be a plain LoRA (no rsLoRA, DoRA or
-        trained biases)."""
-        if self.lora is None:
-            return ["this engine serves no LoRA adapters: start it with --lora-config"]
-        problems = [f"{key}={config.get(key)!r} differs from the served adapters' {self.lora.get(key)!r}"
-                    for key in ("r", "lora_alpha", "target_modules")
-                    if _comparable(config.get(key)) != _comparable(self.lora.get(key))]
-        for key, plain in (("use_rslora", False), ("use_dora", False), ("bias", "none")):
-            if config.get(key, plain) != plain:
-                problems.append(f"{key}={config[key]!r} is not served (only {key}={plain!r})")
-        return problems
-
-    def add_adapter(self, name: str, named: dict[str, torch.Tensor]) -> None:
-        """Keep a named adapter (every A and B of the served adapter modules, by saved-adapter keys)."""
-        mapped = {self._aliases.get(k, k): t for k, t in named.items()}
-        slots = {n: t for n, t in self._tensors.items() if ".lora_" in n}
-        problems = [f"unknown adapter weight {k!r}" for k in named if self._aliases.get(k, k) not in slots]
-        problems += [f"{n}: shape {tuple(t.shape)} != {tuple(self._shape(slots[n]))}" for n, t in mapped.items()
-                     if n in slots and tuple(t.shape) != tuple(self._shape(slots[n]))]
-        missing = sorted(set(slots) - set(mapped))
-        if missing:
-            problems.append(f"missing adapter weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        if problems:
-            raise RequestError("; ".join(problems[:16]))
-        self.adapters[name] = {n: t.to(self.device, torch.float32) for n, t in mapped.items()}
-
-    def drop_adapter(self, name: str) -> None:
-        if self.serving == name:
-            self.activate(None)
-        del self.adapters[name]
-
-    def activate(self, name: Optional[str]) -> None:
-        """Put adapter ``name`` (None: the model's own) into the adapter modules, in place (the decode graphs read
-        the same storage), before a batch that runs with it."""
-        if name == self.serving:
-            return
-        if self.serving is None:
-            self._own = {n: self._parked_or_live(t).clone() for n, t in self._tensors.items() if ".lora_" in n}
-        self._write(self._own if name is None else self.adapters[name])
-        if name is None:
-            self._own = None
-        self.serving = name
-
-    def _parked_or_live(self, target: torch.Tensor) -> torch.Tensor:
-        return self._parked[id(target)] if self._parked is not None and id(target) in self._parked else target
-
-    def _shape(self, target: torch.Tensor) -> torch.Size:
-        return self._parked_or_live(target).shape
-
     def release(self, tags: list[str]) -> None:
         """Free GPU memory by tag: ``weights`` parks them on the host, ``kv_cache`` frees the slot cache,
         ``cuda_graph`` drops the decode graphs (the cache and graphs come back on the next step, the weights with
-        ``resume_weights``). Parking the weights drops the graphs too: the parameters' storage moves."""
+        ``weights.resume``). Parking the weights drops the graphs too: the parameters' storage moves."""
         if self.running:
             raise RequestError(f"{len(self.running)} requests are paused in place with a KV cache; abort or retract "
                                "them (pause_generation mode=abort|retract) before releasing memory")
@@ -268,60 +130,16 @@ class ModelRunner:
             self._drop_graphs()
         if "kv_cache" in tags:
             self.kv.free()
-        if "weights" in tags and self._parked is None:
-            parked = {}
-            for target in self._tensors.values():
-                if id(target) not in parked:  # non_blocking: lands in pinned host memory (torch's caching allocator)
-                    parked[id(target)] = target.data.to("cpu", non_blocking=True)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            for target in self._tensors.values():
-                target.data = torch.empty(0, dtype=target.dtype, device=self.device)
-            stacking.unstack(self._stacked)
-            self._parked = parked
+        if "weights" in tags:
+            self.weights.park()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def resume_weights(self) -> None:
-        if self._parked is None:
-            return
-        for target in self._tensors.values():
-            if id(target) in self._parked:
-                target.data = self._parked[id(target)].to(self.device, non_blocking=True)
-        stacking.restack(self._stacked)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._parked = None
 
     def set_version(self, version: Optional[str], bump: bool) -> None:
         if version is not None:
             self.weight_version = str(version)
         elif bump:
             self.weight_version = _bump(self.weight_version)
-
-    def check_new_group(self, name: str) -> None:
-        if name in self._groups:
-            raise RequestError(f"weight update group {name!r} exists; destroy it first")
-
-    def add_group(self, name: str, group) -> None:
-        self.check_new_group(name)
-        self._groups[name] = group
-
-    def group(self, name: str):
-        if name not in self._groups:
-            raise RequestError(f"no weight update group {name!r}; call /init_weights_update_group first "
-                               f"(groups: {sorted(self._groups)})")
-        return self._groups[name]
-
-    def drop_group(self, name: str) -> None:
-        destroy_weight_update_group(self.group(name))
-        del self._groups[name]
-
-    def leave_groups(self) -> None:
-        """Destroy every weight update group (the engine is stopping)."""
-        for group in self._groups.values():
-            destroy_weight_update_group(group)
-        self._groups.clear()
 
     # -- steps -----------------------------------------------------------------------------------------------------
 

@@ -117,7 +117,7 @@ class Engine:
                 pass
         # A step may still be running on the model thread: fail the futures, leave its batch alone.
         self._fail_everything("engine shutting down", clear_batch=False)
-        self.runner.leave_groups()
+        self.runner.weights.leave_groups()
         self.gc_times.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -243,11 +243,11 @@ class Engine:
         does not fit the served adapter modules."""
         if name in self.adapter_paths:
             raise RequestError(f"LoRA adapter {name!r} is already loaded; unload it first")
-        problems = self.runner.adapter_problems(config)
+        problems = self.runner.weights.adapter_problems(config)
         if problems:
             raise RequestError(f"LoRA adapter {name!r} ({path}): " + "; ".join(problems))
         named = await asyncio.to_thread(read)
-        await self.control(lambda: self.runner.add_adapter(name, named), drain=False)
+        await self.control(lambda: self.runner.weights.add_adapter(name, named), drain=False)
         self.adapter_paths[name] = path
 
     async def unload_adapter(self, name: str) -> None:
@@ -259,7 +259,7 @@ class Engine:
         while any(r.adapter == name for r in self._live.values()):
             self._finished.clear()
             await self._finished.wait()
-        await self.control(lambda: self.runner.drop_adapter(name), drain=False)
+        await self.control(lambda: self.runner.weights.drop_adapter(name), drain=False)
 
     # -- the scheduler ---------------------------------------------------------------------------------------------
 
@@ -278,12 +278,12 @@ class Engine:
                     await self._run_control(loop, self._controls.popleft())
                     continue
                 # A waiting control op (a weight update) lets the batch drain: nothing new is admitted meanwhile.
-                stepping = not self.paused and not self.runner.released
+                stepping = not self.paused and not self.runner.weights.released
                 admit = []
                 if stepping and not self._controls:
                     await self._serve_adapter_of_next(loop)
                     room = self.max_batch_size - len(self.runner.running)
-                    while self._waiting and len(admit) < room and self._waiting[0].adapter == self.runner.serving:
+                    while self._waiting and len(admit) < room and self._waiting[0].adapter == self.runner.weights.serving:
                         admit.append(self._waiting.popleft())
                 if admit or (stepping and self.runner.running):
                     await self._run_step(loop, admit)
@@ -302,8 +302,8 @@ class Engine:
     async def _serve_adapter_of_next(self, loop) -> None:
         """A batch runs with one adapter: once it is empty, the next request's adapter goes into the model (the queue
         stays FIFO: a request with another adapter waits for the batch to finish, and so do those behind it)."""
-        if self._waiting and not self.runner.running and self._waiting[0].adapter != self.runner.serving:
-            await loop.run_in_executor(self._executor, self.runner.activate, self._waiting[0].adapter)
+        if self._waiting and not self.runner.running and self._waiting[0].adapter != self.runner.weights.serving:
+            await loop.run_in_executor(self._executor, self.runner.weights.activate, self._waiting[0].adapter)
 
     def _retract(self) -> None:
         """Running requests go back to the queue front with their tokens; re-admission prefills prompt + tokens."""
@@ -438,7 +438,7 @@ class Engine:
                 "torch_threads": torch.get_num_threads(), "tp_size": 1, "dp_size": 1,
                 "max_running_requests": self.max_batch_size, "context_length": runner.context_length,
                 "skip_tokenizer_init": runner.tokenizer is None, "weight_version": runner.weight_version,
-                "paused": self.paused, "memory_released": runner.released,
+                "paused": self.paused, "memory_released": runner.weights.released,
                 "lora_adapters": sorted(self.adapter_paths), "torch_compile": runner.compiled,
                 "cuda_graph": runner.graphs is not None and runner.graphs.failed is None,
                 "cuda_graph_captures": self._captures(),

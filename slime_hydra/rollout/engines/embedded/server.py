@@ -85,7 +85,7 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
     async def health_generate(request):
         if not engine.healthy:
             return _error(f"scheduler down: {engine.dead_reason}", 503)
-        if engine.paused or runner.released:  # deliberately idle: a probe would wait for continue/resume
+        if engine.paused or runner.weights.released:  # deliberately idle: a probe would wait for continue/resume
             return web.Response(status=200)
         probe = engine.make_request([0], {"max_new_tokens": 1, "temperature": 0}, None, False, -1, 0, False)
         engine.submit([probe])
@@ -167,11 +167,11 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
         named = await asyncio.to_thread(read_checkpoint, path)
         if all(split_adapter_key(name) for name in named):
             raise RequestError(f"{path} holds a LoRA adapter, not a model: load it with /load_lora_adapter")
-        if not all(runner.holds(name) for name in named):  # stored in another layout than the model holds
+        if not all(runner.weights.holds(name) for name in named):  # stored in another layout than the model holds
             named = await asyncio.to_thread(read_through_transformers, path, runner.dtype)
 
         def apply():
-            runner.load_weights(named, complete=True)
+            runner.weights.load(named, complete=True)
             runner.set_version(body.get("weight_version"), bump=True)
             runner.model_path = str(Path(path).resolve())
 
@@ -187,13 +187,13 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
         if missing:
             raise RequestError(f"missing fields {missing}")
         name = body.get("group_name", "weight_update_group")
-        runner.check_new_group(name)
+        runner.weights.check_new_group(name)
         backend = body.get("backend") or ("nccl" if runner.device.type == "cuda" else "gloo")
         join = _as_request_error(init_weight_update_group)
         group = await asyncio.to_thread(join, body["master_address"], int(body["master_port"]),
                                         int(body["rank_offset"]), int(body["world_size"]), name, backend,
                                         float(body.get("timeout_s", 300.0)), runner.device)
-        runner.add_group(name, group)
+        runner.weights.add_group(name, group)
         logger.info("joined weight update group %s as rank %s of %s (%s)", name, body["rank_offset"],
                     body["world_size"], backend)
         return _outcome(True, f"joined {name} as rank {body['rank_offset']} of {body['world_size']} ({backend})")
@@ -202,13 +202,13 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
     async def destroy_weights_update_group(request):
         body = await _body(request)
         name = body.get("group_name", "weight_update_group")
-        await asyncio.to_thread(runner.drop_group, name)
+        await asyncio.to_thread(runner.weights.drop_group, name)
         return _outcome(True, f"left {name}")
 
     @routes.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request):
         body = await _body(request)
-        group = runner.group(body.get("group_name", "weight_update_group"))
+        group = runner.weights.group(body.get("group_name", "weight_update_group"))
         if "names" in body:
             names, dtypes, shapes = body["names"], body.get("dtypes"), body.get("shapes")
         elif "name" in body:
@@ -223,7 +223,7 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
                                         runner.device)
 
         def apply():
-            runner.load_weights(named, complete=False)
+            runner.weights.load(named, complete=False)
             runner.set_version(body.get("weight_version"), bump=False)
 
         await engine.control(apply, drain=True)
@@ -249,7 +249,7 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
             named = await asyncio.to_thread(_as_request_error(decode_named_tensors), payloads[0])
 
         def apply():
-            runner.load_weights(named, complete=False)
+            runner.weights.load(named, complete=False)
             runner.set_version(body.get("weight_version"), bump=False)
             if fmt == "cuda_ipc":
                 torch.cuda.current_stream(runner.device).synchronize()
@@ -313,7 +313,7 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
     async def resume_memory_occupation(request):
         tags = memory_tags(await _body(request))
         if "weights" in tags:
-            await engine.control(runner.resume_weights, drain=False)
+            await engine.control(runner.weights.resume, drain=False)
             logger.info("weights resumed")
         return _outcome(True, f"resumed {tags}")
 
