@@ -56,7 +56,7 @@ from typing import Iterator, Optional
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.options import Problem
-from slime_hydra.rollout.engines.embedded import PREFILL_GRAPH_TOKENS
+from slime_hydra.rollout.engines.embedded import PREFILL_GRAPH_TOKENS, cache_capacity
 
 GiB = 2 ** 30
 CUDA_RESERVE = 1.5 * GiB
@@ -266,7 +266,7 @@ def engine_usage(cfg: SlimeConfig, d: Derived) -> Usage:
     usage.parts["weights"] = counts.total(m.num_layers) * width / r.gpus_per_engine
     # the router may send every request of a step to one engine (cache-aware routing keeps a prompt's group together)
     slots = min(r.batch_prompts * r.n_samples_per_prompt, r.max_concurrency_per_engine)
-    capacity = min(max(128, 1 << (d.context_tokens - 1).bit_length()), m.max_position_embeddings)
+    capacity = cache_capacity(d.context_tokens, m.max_position_embeddings)
     head = m.kv_channels + ((m.v_head_dim or 0) if m.is_mla else m.kv_channels)  # a key's and a value's width
     kv = (slots + 1) * capacity * m.num_layers * m.num_kv_heads * head * width  # + the scratch slot
     usage.parts["KV cache"] = kv * 1.5  # growing to the next power of two keeps the old cache until copied

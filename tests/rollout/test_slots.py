@@ -7,10 +7,11 @@ import asyncio
 import pytest
 import torch
 
+from slime_hydra.rollout.engines.embedded import MIN_CAPACITY
 from slime_hydra.rollout.engines.embedded.graphs import PrefillGraphs
 from slime_hydra.rollout.engines.embedded.scheduler import Engine
 from slime_hydra.rollout.engines.embedded.sampling import fused_draw
-from slime_hydra.rollout.engines.embedded.slots import MIN_CAPACITY, SlotKV, slot_attention
+from slime_hydra.rollout.engines.embedded.slots import SlotKV, slot_attention
 
 from .helpers import build_model, load, reference_greedy, reference_logprobs
 

@@ -145,3 +145,13 @@ Data flows one way: ``server`` -> ``scheduler`` -> ``runner`` -> ``sampling`` (a
 PREFILL_GRAPH_TOKENS = 4096
 """The largest prefill (row bucket x padded width, in tokens) that runs as a CUDA graph (graphs.py); the memory plan
 counts its activations (config/memory.py)."""
+
+MIN_CAPACITY = 128
+"""The slot cache's smallest capacity and attention window, in tokens (slots.py)."""
+
+
+def cache_capacity(length: int, limit: int) -> int:
+    """Columns of slot cache (or attention window) that hold ``length`` tokens: the next power of two, at least
+    ``MIN_CAPACITY``, at most ``limit`` (the context length, or the capacity). The memory plan counts the cache with
+    the same rule (config/memory.py)."""
+    return min(max(MIN_CAPACITY, 1 << (length - 1).bit_length()), limit)

@@ -41,8 +41,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from slime_hydra.rollout.engines.embedded import cache_capacity
+
 ATTENTION_NAME = "slime_hydra_slots"
-MIN_CAPACITY = 128
 
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, scaling=None,
@@ -128,7 +129,7 @@ class SlotKV:
             return
         if length > self.max_capacity:
             raise ValueError(f"{length} tokens exceed the context length {self.max_capacity}")
-        capacity = min(max(MIN_CAPACITY, 1 << (length - 1).bit_length()), self.max_capacity)
+        capacity = cache_capacity(length, self.max_capacity)
         grown = [torch.zeros(self.layers, self.slots + 1, self.kv_heads, capacity, d, dtype=self.dtype,
                              device=self.device) for d in (self.key_dim, self.value_dim)]
         if self.k is not None:
@@ -150,7 +151,7 @@ class SlotKV:
 
     def window_for(self, length: int) -> int:
         """The attention window of a decode whose longest row has ``length`` tokens (the new one included)."""
-        return min(self.capacity, max(MIN_CAPACITY, 1 << (length - 1).bit_length()))
+        return cache_capacity(length, self.capacity)
 
     def decode(self, n: int, window: int) -> None:
         """Set up a decode of slots 0..n-1 reading columns 0..window-1 (inside a CUDA graph capture the mask is
