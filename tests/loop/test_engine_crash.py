@@ -84,8 +84,8 @@ def test_an_engine_killed_mid_run_costs_nothing(tmp_path, weight_sync, engines, 
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert sum(r["rollout/engine_restarts"] for r in rows) == 1
     resends = sum(r["rollout/weight_resends"] for r in rows)
-    # distributed or CUDA IPC, one engine: the trainer sends the weights again unless the step's own sync reached the restarted
-    # engine first; with two, the other engine serves until the step's sync brings the restarted one back
+    # distributed or CUDA IPC, one engine: the trainer sends the weights again unless the step's own sync reached the
+    # restarted engine first; with two, the other engine serves until the step's sync brings the restarted one back
     replayable = weight_sync == "disk" or (weight_sync == "tensor" and placement != ON_ONE_GPU)
     assert resends == 0 if replayable or engines == 2 else resends <= 1
     assert ("sending version" in out) == (resends == 1)

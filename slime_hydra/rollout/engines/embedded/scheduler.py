@@ -283,7 +283,8 @@ class Engine:
                 if stepping and not self._controls:
                     await self._serve_adapter_of_next(loop)
                     room = self.max_batch_size - len(self.runner.running)
-                    while self._waiting and len(admit) < room and self._waiting[0].adapter == self.runner.weights.serving:
+                    serving = self.runner.weights.serving
+                    while self._waiting and len(admit) < room and self._waiting[0].adapter == serving:
                         admit.append(self._waiting.popleft())
                 if admit or (stepping and self.runner.running):
                     await self._run_step(loop, admit)

@@ -100,7 +100,7 @@ class SlotKV:
         self.pos = torch.zeros(slots, dtype=torch.long, device=device)
         self._cells = (torch.arange(slots, device=device)[:, None] * self.kv_heads
                        + torch.arange(self.kv_heads, device=device)[None, :])
-        """[slots, kv_heads]: the (slot, head) cell of each row's head in a layer's cache, ``slot x kv_heads + head``."""
+        """[slots, kv_heads]: the (slot, head) cell of each row's head in a layer's cache: slot x kv_heads + head."""
         self._columns: Optional[torch.Tensor] = None
         self.mode = "decode"
         self.rows: Optional[torch.Tensor] = None
