@@ -240,12 +240,23 @@ def response_logprobs(logits: torch.Tensor, batch: TrainBatch, temperature: floa
 def position_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                       with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per position of logits [..., V]: the logprob of targets [...] and the entropy (None without), fp32:
-    z[y] - logsumexp(z) and logsumexp(z) - sum_v softmax(z)_v z_v, z = logits / temperature."""
+    z[y] - logsumexp(z) and logsumexp(z) - sum_v softmax(z)_v z_v, z = logits / temperature.
+
+    Under torch.compile z[y] is read as sum_v [v = y] z_v, which is exactly z[y]: inductor computes it in the
+    logsumexp's pass over V, and its backward is pointwise, fused into the softmax's. A gather's backward scatters
+    into a dense zero [..., V] fp32 tensor that the softmax backward then reads. On one H200, forward and backward of
+    8 x 769 positions of a 152k vocabulary took 3.78 ms with the gather, 2.60 ms so (median of 10). Eager keeps the
+    gather, which makes no [..., V] temporaries."""
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
-    logp = torch.gather(z, -1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if torch.compiler.is_compiling():
+        vocab = torch.arange(z.shape[-1], device=z.device, dtype=torch.int32)  # int64 compares cost 5% more
+        picked = torch.where(vocab == targets.int().unsqueeze(-1), z, 0.0).sum(-1)
+    else:
+        picked = torch.gather(z, -1, targets.unsqueeze(-1)).squeeze(-1)
+    logp = picked - lse
     entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
     return logp, entropy
 
