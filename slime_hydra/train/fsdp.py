@@ -68,7 +68,7 @@ from slime_hydra.train.backend import (
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.routing_replay import RoutingReplay, moe_routers
-from slime_hydra.train.optim import build_optimizer
+from slime_hydra.train.optim import build_optimizer, clip_and_step
 from slime_hydra.train.lora import merged_weights, peft_adapter_weights, peft_config, seeded_init
 
 
@@ -225,11 +225,16 @@ class FSDPBackend(TrainBackend):
                     self._compute.accumulate_grads()
                 if idx:
                     step_metrics.add(metrics, weight)
-        max_norm = self.train_cfg.clip_grad if self.train_cfg.clip_grad > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], max_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        if self.fsdp:  # DTensor gradients: torch's clipping, whose norm and coefficient stay DTensors
+            max_norm = self.train_cfg.clip_grad if self.train_cfg.clip_grad > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(trained, max_norm).full_tensor()
+            self.optimizer.step()
+        else:
+            grads = [p.grad for p in trained if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads)
+            clip_and_step(self.optimizer, grads, grad_norm, self.train_cfg.clip_grad)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

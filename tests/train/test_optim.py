@@ -1,13 +1,14 @@
-"""train/optim.py: the learning-rate schedule and the Partitioned optimizer (expert parallelism's two ZeRO parts)
+"""train/optim.py: the learning-rate schedule, the Partitioned optimizer (expert parallelism's two ZeRO parts)
 against one AdamW over the same parameters, in one process (parts unsharded: their ZeRO form runs in
-tests/train/test_megatron_moe.py's four-rank cases)."""
+tests/train/test_megatron_moe.py's four-rank cases), and clip_and_step against torch's clip_grad_norm_."""
 
 import copy
 
+import pytest
 import torch
 
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.optim import Partitioned, build_optimizer, local_states, lr_at, optimizers
+from slime_hydra.train.optim import Partitioned, build_optimizer, clip_and_step, local_states, lr_at, optimizers
 
 TRAIN = TrainConfig(lr=1e-2, lr_warmup_steps=2, lr_decay_style="cosine", min_lr=1e-3, weight_decay=0.1)
 
@@ -62,3 +63,30 @@ def test_a_set_without_trainable_parameters_adds_no_part():
         p.requires_grad_(False)
     optimizer, _ = build_optimizer(params, TRAIN, total_steps=6, part_groups=[(params[2:], None)])
     assert len(optimizers(optimizer)) == 1 and optimizer.parts[0].param_groups[0]["params"] == params[:2]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("max_norm", [0.5, 100.0, 0.0])
+def test_clip_and_step_takes_the_step_of_clip_grad_norm(fused, max_norm):
+    """A fused AdamW takes the clip coefficient as its gradient scale, the multi-tensor one has its gradients
+    multiplied: both take torch's clipped step within float rounding, over 3 steps (0.5 clips, 100 does not, 0 turns
+    clipping off). The clipped steps are checked against the unclipped ones, so the coefficient took effect."""
+    ours, theirs, unclipped = _params(), _params(), _params()
+    optimizers_ = [torch.optim.AdamW(ps, lr=0.1, fused=fused, foreach=not fused or None)
+                   for ps in (ours, theirs, unclipped)]
+    assert getattr(optimizers_[0], "_step_supports_amp_scaling", False) == fused
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in ours]
+        for params in (ours, theirs, unclipped):
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ours])
+        clip_and_step(optimizers_[0], [p.grad for p in ours], norm, max_norm)
+        assert not hasattr(optimizers_[0], "grad_scale")
+        torch.nn.utils.clip_grad_norm_(theirs, max_norm if max_norm > 0 else float("inf"))
+        optimizers_[1].step()
+        optimizers_[2].step()
+    for a, b, c in zip(ours, theirs, unclipped):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert torch.equal(b, c) == (max_norm != 0.5)

@@ -2,8 +2,8 @@
 parallelism inside a model replica and data parallelism (DP) across replicas; the backend protocol
 (train/backend.py), with the same semantics, for the policy (role="actor") and PPO's critic (role="critic").
 
-Mechanisms in their own modules: the pipeline schedule (pp > 1) in pipeline.py, gradient reduction, grad norm and
-clipping in gradients.py, checkpoint files in checkpoint.py.
+Mechanisms in their own modules: the pipeline schedule (pp > 1) in pipeline.py, gradient reduction and the grad
+norm in gradients.py (clipping in the optimizer step, optim.clip_and_step), checkpoint files in checkpoint.py.
 
 Ranks: world = tp x cp x pp x dp in megatron's order ("tp-cp-ep-dp-pp"): TP fastest, then CP, then DP, PP slowest
 (stage s holds ranks [s * tp * cp * dp, (s + 1) * tp * cp * dp)). TP, CP and PP peers see the same rows (TrainGroup
@@ -119,7 +119,7 @@ from slime_hydra.train.megatron.pipeline import Pipeline
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
 from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
-from slime_hydra.train.optim import build_optimizer, is_sharded
+from slime_hydra.train.optim import build_optimizer, clip_and_step, is_sharded
 
 
 class MegatronBackend(TrainBackend):
@@ -425,9 +425,10 @@ class MegatronBackend(TrainBackend):
             self.pipeline.run(hosts, loss_of, backward=True,
                               before_backward=aux_loss_scale if self.arch.moe_aux_loss_coeff > 0 else None)
         self.gradients.reduce()
-        grad_norm = self.gradients.clip(self.train_cfg.clip_grad)
+        grad_norm = self.gradients.norm()
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        clip_and_step(self.optimizer, [p.grad for p in self.gradients.params.values()], grad_norm,
+                      self.train_cfg.clip_grad)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

@@ -20,8 +20,7 @@ forms every DP, EP and expert-DP group inside one stage).
 Grad norm: sum of squares of the TP-split parameters all-reduced over TP, plus the replicated ones (norms) once,
 summed over the PP stages (the tied embedding's copy counted once; CP peers hold the same reduced gradients and
 each counts them once, without a CP reduction); at ep > 1 each EP rank's own experts' squares are summed over the EP
-group first (then over TP with the other split parameters); clipping as torch.nn.utils.clip_grad_norm_
-(coefficient max_norm / (norm + 1e-6), capped at 1).
+group first (then over TP with the other split parameters). Clipping with it is optim.clip_and_step's.
 """
 
 import torch
@@ -106,10 +105,10 @@ class Gradients:
                     g.copy_(part.view_as(g))
                 bucket, elements = [], 0
 
-    def clip(self, max_norm: float) -> torch.Tensor:
-        """Global grad norm (module docstring; a 0-dim device tensor) and clipping. Per-tensor norms in one
+    def norm(self) -> torch.Tensor:
+        """Global grad norm (module docstring; a 0-dim fp64 device tensor, no sync). Per-tensor norms in one
         multi-tensor kernel (fp32, as clip_grad_norm_), their squares summed in fp64: a few launches instead of
-        four per parameter. The clip coefficient stays on the device (no sync before the optimizer step)."""
+        four per parameter."""
         grads: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # TP-split or not
         expert_grads: list[torch.Tensor] = []  # ep > 1: this EP rank's own experts (TP-split)
         for name, p in self.params.items():
@@ -135,8 +134,4 @@ class Gradients:
         total = split + replicated
         if self.pp_size > 1:
             dist.all_reduce(total, group=self.pp_group)
-        norm = total.sqrt()
-        if max_norm > 0:  # a coefficient of 1 multiplies exactly
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
-            torch._foreach_mul_([p.grad for p in self.params.values()], coef)
-        return norm
+        return total.sqrt()
