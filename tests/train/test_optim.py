@@ -72,9 +72,9 @@ def test_clip_and_step_takes_the_step_of_clip_grad_norm(fused, max_norm):
     multiplied: both take torch's clipped step within float rounding, over 3 steps (0.5 clips, 100 does not, 0 turns
     clipping off). The clipped steps are checked against the unclipped ones, so the coefficient took effect."""
     ours, theirs, unclipped = _params(), _params(), _params()
-    optimizers_ = [torch.optim.AdamW(ps, lr=0.1, fused=fused, foreach=not fused or None)
+    adamws = [torch.optim.AdamW(ps, lr=0.1, fused=fused, foreach=not fused or None)
                    for ps in (ours, theirs, unclipped)]
-    assert getattr(optimizers_[0], "_step_supports_amp_scaling", False) == fused
+    assert getattr(adamws[0], "_step_supports_amp_scaling", False) == fused
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         grads = [torch.randn(p.shape, generator=g) for p in ours]
@@ -82,11 +82,11 @@ def test_clip_and_step_takes_the_step_of_clip_grad_norm(fused, max_norm):
             for p, grad in zip(params, grads):
                 p.grad = grad.clone()
         norm = torch.nn.utils.get_total_norm([p.grad for p in ours])
-        clip_and_step(optimizers_[0], [p.grad for p in ours], norm, max_norm)
-        assert not hasattr(optimizers_[0], "grad_scale")
+        clip_and_step(adamws[0], [p.grad for p in ours], norm, max_norm)
+        assert not hasattr(adamws[0], "grad_scale")
         torch.nn.utils.clip_grad_norm_(theirs, max_norm if max_norm > 0 else float("inf"))
-        optimizers_[1].step()
-        optimizers_[2].step()
+        adamws[1].step()
+        adamws[2].step()
     for a, b, c in zip(ours, theirs, unclipped):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         assert torch.equal(b, c) == (max_norm != 0.5)

@@ -260,14 +260,12 @@ class GatedMLP(MLP):
     chunks it in two. Same arithmetic. The point is the backward: a chunk's gradient is a concatenation, for which
     inductor (torch 2.11) wrote the gate half's fp32 gradient to memory and read it back. On one H200 at 8,192
     tokens and I = 4,864 the backward took two kernels of 112 + 90 us a layer, and now one of 133 us; the forward
-    went from 57 to 80 us, so a layer saves ~45 us. Anything but a plain SwiGLU (clamped, offset, fused, weighted by
-    a per-token scale) runs megatron's forward."""
+    went from 57 to 80 us, so a layer saves ~45 us. The SwiGLU is model.transformer_config's (silu, gated, no
+    bias-activation fusion, no clamp or offset); a per-token scale (megatron passes one to experts only) runs
+    megatron's forward."""
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
-        c = self.config
-        if (per_token_scale is not None or not c.gated_linear_unit or c.activation_func is not torch.nn.functional.silu
-                or c.activation_func_clamp_value is not None or c.glu_linear_offset != 0
-                or c.bias_activation_fusion or c.use_te_activation_func):
+        if per_token_scale is not None:
             return super().forward(hidden_states, per_token_scale, **kwargs)
         hidden, bias = self.linear_fc1(hidden_states)
         if bias is not None:
