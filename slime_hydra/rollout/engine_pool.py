@@ -15,8 +15,9 @@ lost a member must be formed again (``group_stale``). When that leaves no engine
 requests wait for it and the loop has the trainer send the current weights again (loop.py ``resend_weights``).
 
 The periodic check never dies silently: an error in it is printed and the checks go on, except when an engine's
-actor itself is gone (Ray cannot restart it): then the monitor stops, the pool is ``failed`` and the rollout
-manager's next batch, eval or sync raises that error (``raise_if_failed``), so the run stops naming it.
+actor itself is gone (Ray cannot restart it; found by the check or by a restart): then the pool is ``failed`` and
+the rollout manager's next batch, eval, sync or request retry raises that error (``raise_if_failed``), so the run
+stops naming it.
 
 Syncs and replays exclude each other through ``weights_lock``: a restart replays only while no sync is running,
 so a restarted engine always ends on the newest version.
@@ -68,7 +69,8 @@ class EnginePool:
         self._check_lock = asyncio.Lock()
         self._monitor: Optional[asyncio.Task] = None
         self.failed: Optional[BaseException] = None
-        """The error that stopped the periodic check (an engine actor died); raised by raise_if_failed."""
+        """An engine actor died (found by the periodic check or a restart): no restart can help; raised by
+        raise_if_failed."""
 
     async def start(self) -> list[str]:
         """Start the router and every engine, register the engines, wait until the router sees them healthy."""
@@ -227,6 +229,8 @@ class EnginePool:
         except Exception as error:
             self.down[i] = f"{cause}; the restart failed: {type(error).__name__}: {error}"
             print(f"rollout: engine {i} ({url}) {self.down[i]}", flush=True)
+            if isinstance(error, ray.exceptions.RayActorError):  # the actor is gone, as in _watch: the run stops
+                self.failed = error
 
     async def _register(self, i: int) -> None:
         """Add engine i back to the router and wait until the router lists it healthy."""

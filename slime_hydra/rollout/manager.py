@@ -196,6 +196,7 @@ class RolloutManager:
                                       f"{self.router.process.popen.returncode}; last lines of its log "
                                       f"{self.router.process.log_path}:\n{self.router.process.log_tail(2000)}")
                 await self.pool.check()  # a dead engine leaves the router (and the error names it)
+                self.pool.raise_if_failed()  # an engine's actor is gone: that, not the retries, stops the run
                 if attempt < self.rollout.max_generate_retries:
                     self.generate_retries += 1
                     await self.pool.await_an_engine()
