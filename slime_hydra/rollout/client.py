@@ -22,6 +22,9 @@ import torch
 from slime_hydra.rollout.auth import bearer
 from slime_hydra.weight_transport import encode_named_tensors
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""What /release_memory_occupation and /resume_memory_occupation name (SGLang's tags; no tags: all of them)."""
+
 Response = dict[str, Any]
 
 

@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from slime_hydra.rollout.engines.embedded import stacking
+from slime_hydra.rollout.engines.embedded.memory import place
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -41,19 +42,15 @@ def test_stacked_model_computes_the_same_logits_under_the_same_names(kind):
                     tensor.copy_(torch.full_like(tensor, 0.01))
         assert torch.allclose(stacked(ids).logits, plain(ids).logits, atol=1e-5)
 
-    # Parked on the host and back (Weights.park / resume): the stacked weights are dropped and rebuilt.
-    params = [p for p in stacked.parameters()]
-    parked = [p.data.clone() for p in params]
-    for p in params:
-        p.data = torch.empty(0)
-    stacking.unstack(parents)
-    assert attention.stacked_weight is None
-    for p, host in zip(params, parked):
-        p.data = host
-    stacking.restack(parents)
-    assert attention.q_proj.weight.data_ptr() == attention.stacked_weight.data_ptr()
+    # Placed in one allocation (memory.place, as the engine places its weights): views stay views of it.
+    place(stacked, torch.device("cpu"))
+    whole = attention.stacked_weight.untyped_storage()
+    assert all(t.untyped_storage().data_ptr() == whole.data_ptr() for t in (*stacked.parameters(), *stacked.buffers()))
+    assert attention.k_proj.weight.data_ptr() == attention.stacked_weight[32:48].data_ptr()
     with torch.no_grad():
         assert torch.allclose(stacked(ids).logits, plain(ids).logits, atol=1e-5)
+        attention.k_proj.weight.add_(0.01)  # an update in place still reaches the stacked weight
+        assert torch.equal(attention.stacked_weight[32:48], attention.k_proj.weight)
 
 
 def test_adapted_projections_stay_apart():

@@ -114,17 +114,19 @@ A running batch runs with one adapter: the scheduler admits only requests with t
 batch is empty, copies the next request's adapter into the modules (in place: the decode graphs stay valid). Mixed
 queues are served in turns, FIFO.
 
-``/release_memory_occupation`` (needs an empty running batch: pause with ``abort`` or ``retract`` first) parks the
-weights: on CUDA they move to host memory and the GPU cache is emptied; on CPU the parameters are emptied and the
-same host tensors are kept (nothing is freed, the state machine is the same). While released, requests wait in the
-queue; weight updates write into the parked copy. ``/resume_memory_occupation`` puts the weights back. The
-``kv_cache`` tag frees the slot cache and ``cuda_graph`` the decode graphs; both come back with the next step (the
-graphs are captured again, as they are after any release of the weights: the parameters' storage moved).
+``/release_memory_occupation`` (needs an empty running batch: pause with ``abort`` or ``retract`` first) gives the
+device memory of its tags back (memory.py): ``weights`` (their bytes first go to a pinned host copy, kept from one
+release to the next) and ``kv_cache`` (its contents dropped); on CUDA their pages are unmapped and their addresses
+kept, so the CUDA graphs, the compiled steps and the cache's capacity survive and nothing is captured again (on the
+CPU only the state changes). ``cuda_graph`` gives nothing back: the graphs stay. While the weights are released,
+requests wait in the queue and weight updates write into the host copy; ``/resume_memory_occupation`` maps the
+memory again and copies the weights back. A cache released alone (the colocated loop resumes the weights first, for
+the weight sync) is taken back by the next step that needs it.
 
 Modules
 -------
 Data flows one way: ``server`` -> ``scheduler`` -> ``runner`` -> ``sampling`` (and ``slots``, ``graphs``,
-``weights`` -> ``stacking``); ``protocol`` is used by all of them and uses none.
+``weights`` -> ``stacking``, ``memory``); ``protocol`` is used by all of them and uses none.
 
 - ``protocol``: the request side of the protocol: ``SamplingParams``, ``Request``, ``RequestError``, a /generate body
   -> Requests, a finished Request -> its response dict.
@@ -133,7 +135,8 @@ Data flows one way: ``server`` -> ``scheduler`` -> ``runner`` -> ``sampling`` (a
 - ``graphs``: decode and prefill steps as CUDA graphs, and the decoder layers compiled for decode.
 - ``stacking``: sibling projections (q/k/v, gate/up) as one matmul over stacked weights that keep the model's names.
 - ``routing``: hooks on a MoE model's routers that record the experts of every token run (also under CUDA graphs).
-- ``weights``: the model's weights by name: updates, parking on the host, named LoRA adapters, weight-update groups.
+- ``weights``: the model's weights by name: placement, updates, named LoRA adapters, weight-update groups.
+- ``memory``: the releasable device memory (weights, KV cache) at stable addresses, on torch_memory_saver.
 - ``runner``: ``ModelRunner``, the model and all work on the model thread (prefill, decode, memory, its weights).
 - ``scheduler``: ``Engine``, the queues and the coroutine that hands the runner a prefill, a run of decode steps or a
   control operation at a time; with ``freeze_heap`` (the command line) it keeps the garbage collector off the

@@ -93,6 +93,10 @@ def main(argv=None) -> None:
                 runner.dtype, time.monotonic() - started, runner.tokenizer_path, os.getpid())
     web.run_app(build_app(engine, args.max_request_mb, args.api_key), host=args.host, port=args.port, access_log=None,
                 handler_cancellation=True, print=lambda msg: logger.info(msg.strip()))
+    # Served and shut down (the app's cleanup ran). End here: the interpreter's teardown would free the memory
+    # regions' pools (memory.py) outside a region, which torch_memory_saver answers with exit status 1.
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ scheduler hands each call over at a step boundary).
 slots or a decode of every running row; each produced token is sampled (``sampling``), appended to its request and
 checked against the finish conditions, and finished rows leave the batch (``SlotKV.compact``). A decode step's
 tokens are taken in while the next step runs on the device (``_decode``), or by ``settle``. As control operations
-it releases memory (the weights parked on the host, the slot cache, the decode graphs); its ``weights``
-(weights.py) load updates, park and restore the weights, serve named LoRA adapters and keep the process groups that
-distributed updates arrive through. It also keeps ``weight_version``, the label of the loaded weights. It knows
+it releases and resumes its memory (memory.py: the weights and the slot cache, at stable addresses, so the CUDA
+graphs survive); its ``weights`` (weights.py) load updates, serve named LoRA adapters and keep the process groups
+that distributed updates arrive through. It also keeps ``weight_version``, the label of the loaded weights. It knows
 nothing of queues or HTTP.
 """
 
@@ -22,6 +22,7 @@ from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError
 from slime_hydra.rollout.engines.embedded.routing import RoutingCapture
 from slime_hydra.rollout.engines.embedded.sampling import fused_draw, sample, score_prompt
 from slime_hydra.rollout.engines.embedded.graphs import PrefillGraphs, StepGraphs, compile_decode_layers
+from slime_hydra.rollout.engines.embedded.memory import Releasable
 from slime_hydra.rollout.engines.embedded.slots import SlotKV, register_attention
 from slime_hydra.rollout.engines.embedded.weights import Weights, add_adapters
 
@@ -65,7 +66,11 @@ class ModelRunner:
                                                           attn_implementation=register_attention())
         if lora is not None:
             add_adapters(self.model, lora)
-        self.model.to(self.device).eval().requires_grad_(False)
+        self.model.eval().requires_grad_(False)
+        self.memory = Releasable(self.device)
+        """The weights' and the KV cache's device memory, which a release gives back (memory.py)."""
+        self.weights = Weights(self.model, self.memory, lora)
+        """The weights by name (placed on the device here): updates, named adapters, weight-update groups."""
         self._body, self._head = self.model.get_decoder(), self.model.get_output_embeddings()
         self.config = self.model.config
         self.vocab_size = int(text.vocab_size)
@@ -83,14 +88,13 @@ class ModelRunner:
                                  if isinstance(t, int))
 
         self.weight_version = weight_version
-        self.weights = Weights(self.model, self.device, lora)
-        """The weights by name: updates, parking, named adapters, weight-update groups."""
 
         self.running: list[Request] = []
         """The running batch: request b owns KV slot b."""
         self._in_flight: Optional[tuple[list[Request], Any]] = None
         """The decode step launched but not taken in yet: its rows (the batch as it was) and its ``Drawn``."""
-        self.kv = SlotKV(self.config, max_batch_size, self.dtype, self.device, self.context_length)
+        self.kv = SlotKV(self.config, max_batch_size, self.dtype, self.device, self.context_length,
+                         lambda: self.memory.region("kv_cache"))
         self.routing = RoutingCapture(self._body, max_batch_size, self.device) if return_routed_experts else None
         """Each MoE layer's choice of experts in the last model call (None: not recorded)."""
         moe = any(getattr(text, key, None) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
@@ -120,20 +124,16 @@ class ModelRunner:
     # -- weights and memory ----------------------------------------------------------------------------------------
 
     def release(self, tags: list[str]) -> None:
-        """Free GPU memory by tag: ``weights`` parks them on the host, ``kv_cache`` frees the slot cache,
-        ``cuda_graph`` drops the decode graphs (the cache and graphs come back on the next step, the weights with
-        ``weights.resume``). Parking the weights drops the graphs too: the parameters' storage moves."""
+        """Give back the device memory of ``tags`` (memory.TAGS: ``weights``, ``kv_cache``) until ``resume``; the
+        weights keep a host copy (updates meanwhile go there), the cache's contents are dropped. Addresses stay, so
+        the CUDA graphs and the cache's capacity survive; ``cuda_graph`` (SGLang's tag) drops nothing."""
         if self.running:
             raise RequestError(f"{len(self.running)} requests are paused in place with a KV cache; abort or retract "
                                "them (pause_generation mode=abort|retract) before releasing memory")
-        if "cuda_graph" in tags or "weights" in tags:
-            self._drop_graphs()
-        if "kv_cache" in tags:
-            self.kv.free()
-        if "weights" in tags:
-            self.weights.park()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.memory.release(tags)
+
+    def resume(self, tags: list[str]) -> None:
+        self.memory.resume(tags)
 
     def set_version(self, version: Optional[str], bump: bool) -> None:
         if version is not None:
@@ -146,7 +146,9 @@ class ModelRunner:
     @torch.no_grad()
     def step(self, admit: list[Request]) -> list[Request]:
         """Prefill the admitted requests into free slots, or (none admitted) decode one token for every row; return
-        the requests that finished (they have left the batch)."""
+        the requests that finished (they have left the batch). A KV cache given back alone (weights resumed for a
+        colocated weight sync) is taken back first."""
+        self.memory.resume(["kv_cache"])
         if admit:
             done = self.settle()
             self._prefill(admit)

@@ -278,7 +278,7 @@ class Engine:
                     await self._run_control(loop, self._controls.popleft())
                     continue
                 # A waiting control op (a weight update) lets the batch drain: nothing new is admitted meanwhile.
-                stepping = not self.paused and not self.runner.weights.released
+                stepping = not self.paused and "weights" not in self.runner.memory.released  # the cache: on demand
                 admit = []
                 if stepping and not self._controls:
                     await self._serve_adapter_of_next(loop)
@@ -433,13 +433,14 @@ class Engine:
         if runner.device.type == "cuda":
             memory["memory_allocated_bytes"] = torch.cuda.memory_allocated(runner.device)
             memory["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(runner.device)
+            memory["device_free_bytes"] = torch.cuda.mem_get_info(runner.device)[0]  # a release shows here
         return {**memory, "engine": "slime_hydra.embedded", "model_path": runner.model_path,
                 "tokenizer_path": runner.tokenizer_path, "served_model_name": runner.model_path, "host": self.host,
                 "port": self.port, "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(), "tp_size": 1, "dp_size": 1,
                 "max_running_requests": self.max_batch_size, "context_length": runner.context_length,
                 "skip_tokenizer_init": runner.tokenizer is None, "weight_version": runner.weight_version,
-                "paused": self.paused, "memory_released": runner.weights.released,
+                "paused": self.paused, "memory_released": sorted(runner.memory.released),
                 "lora_adapters": sorted(self.adapter_paths), "torch_compile": runner.compiled,
                 "cuda_graph": runner.graphs is not None and runner.graphs.failed is None,
                 "cuda_graph_captures": self._captures(),

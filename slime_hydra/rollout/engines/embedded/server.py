@@ -23,6 +23,7 @@ import torch
 from aiohttp import web
 
 from slime_hydra.rollout.auth import API_KEY_ENV, OPEN_PREFIX, authorized
+from slime_hydra.rollout.client import MEMORY_TAGS
 from slime_hydra.rollout.engines.embedded.protocol import RequestError, parse_generate
 from slime_hydra.rollout.engines.embedded.scheduler import Engine
 from slime_hydra.weight_transport import (
@@ -30,8 +31,6 @@ from slime_hydra.weight_transport import (
 )
 
 logger = logging.getLogger("slime_hydra.engine")
-
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 LORA_UPDATES = ("/load_lora_adapter", "/unload_lora_adapter")
@@ -85,7 +84,7 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
     async def health_generate(request):
         if not engine.healthy:
             return _error(f"scheduler down: {engine.dead_reason}", 503)
-        if engine.paused or runner.weights.released:  # deliberately idle: a probe would wait for continue/resume
+        if engine.paused or runner.memory.released:  # deliberately idle: a probe would wait for continue/resume
             return web.Response(status=200)
         probe = engine.make_request([0], {"max_new_tokens": 1, "temperature": 0}, None, False, -1, 0, False)
         engine.submit([probe])
@@ -312,9 +311,8 @@ def build_app(engine: Engine, max_request_mb: int = 4096, api_key: Optional[str]
     @routes.post("/resume_memory_occupation")
     async def resume_memory_occupation(request):
         tags = memory_tags(await _body(request))
-        if "weights" in tags:
-            await engine.control(runner.weights.resume, drain=False)
-            logger.info("weights resumed")
+        await engine.control(lambda: runner.resume(tags), drain=False)
+        logger.info("resumed %s", tags)
         return _outcome(True, f"resumed {tags}")
 
     @web.middleware

@@ -36,7 +36,8 @@ The attention runs in ``slot_attention``, registered with transformers' ``Attent
 sliding-window layers, attention sinks or logit soft-capping are refused by it.
 """
 
-from typing import Callable, Optional
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +82,9 @@ def register_attention() -> str:
 class SlotKV:
     """The cache tensor, the per-slot next ids/positions, and the mode of the forward about to run."""
 
-    def __init__(self, config, slots: int, dtype: torch.dtype, device: torch.device, max_capacity: int):
+    def __init__(self, config, slots: int, dtype: torch.dtype, device: torch.device, max_capacity: int,
+                 region: Callable[[], ContextManager] = nullcontext):
+        """region: the memory region the cache tensors are allocated in (the engine's ``kv_cache``, memory.py)."""
         text = config.get_text_config()
         self.layers = int(text.num_hidden_layers)
         self.kv_heads = int(text.num_key_value_heads)
@@ -90,6 +93,7 @@ class SlotKV:
         self.key_dim = int(text.qk_nope_head_dim + text.qk_rope_head_dim) if latent else head_dim
         self.value_dim = int(text.v_head_dim) if latent else head_dim
         self.slots, self.dtype, self.device, self.max_capacity = slots, dtype, device, max_capacity
+        self.region = region
         self.scratch = slots
         """The extra slot the padding rows of a CUDA-graph prefill write to."""
         self.k: Optional[torch.Tensor] = None
@@ -113,7 +117,7 @@ class SlotKV:
         """decode: ``[n x kv_heads]``, where each row's new key/value goes in a layer's cache seen as
         ``[(slots + 1) x kv_heads x capacity, d]``."""
         self.on_move: Callable[[], None] = lambda: None
-        """Called when the cache tensor is reallocated or freed (the engine drops its CUDA graphs)."""
+        """Called when the cache tensor is reallocated (the engine drops its CUDA graphs)."""
 
     @property
     def capacity(self) -> int:
@@ -130,20 +134,15 @@ class SlotKV:
         if length > self.max_capacity:
             raise ValueError(f"{length} tokens exceed the context length {self.max_capacity}")
         capacity = cache_capacity(length, self.max_capacity)
-        grown = [torch.zeros(self.layers, self.slots + 1, self.kv_heads, capacity, d, dtype=self.dtype,
-                             device=self.device) for d in (self.key_dim, self.value_dim)]
+        with self.region():
+            grown = [torch.zeros(self.layers, self.slots + 1, self.kv_heads, capacity, d, dtype=self.dtype,
+                                 device=self.device) for d in (self.key_dim, self.value_dim)]
         if self.k is not None:
             grown[0][..., :self.capacity, :] = self.k
             grown[1][..., :self.capacity, :] = self.v
         self.k, self.v = grown
         self._columns = torch.arange(capacity, device=self.device)
         self.on_move()
-
-    def free(self) -> None:
-        if self.k is not None:
-            self.k = self.v = None
-            self._columns = None
-            self.on_move()
 
     def prefill(self, rows: torch.Tensor) -> None:
         """Set up a prefill whose input row i goes to slot ``rows[i]``."""

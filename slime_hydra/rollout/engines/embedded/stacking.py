@@ -15,8 +15,7 @@ How:
   the parent's forward computes that product and hands it to the parent class's own forward in place of the input.
   The block's code stays transformers' own: only classes whose forward uses its input for the siblings and its shape
   alone are stacked (``SIBLINGS``), and only plain ``nn.Linear`` siblings (not LoRA-wrapped ones).
-- Parking the weights on the host (the engine's release) frees the stacked tensors (``unstack``); ``restack`` builds
-  them again from the parameters once those are back.
+- The engine then places all weights in one allocation (memory.place), which keeps the views views.
 """
 
 import types
@@ -65,7 +64,7 @@ def stack(model: nn.Module) -> list[nn.Module]:
             start += linear.out_features
         module.register_buffer("stacked_weight", None, persistent=False)
         module.register_buffer("stacked_bias", None, persistent=False)
-        restack([module])
+        _restack(module)
         module.forward = types.MethodType(_stacked_forward, module)
         parents.append(module)
     return parents
@@ -86,21 +85,14 @@ def _columns(module: nn.Module) -> list[Columns]:
     return [getattr(module, name) for name in SIBLINGS[type(module).__name__][1]]
 
 
-def restack(parents: list[nn.Module]) -> None:
-    """(Re)build each parent's stacked tensors from its siblings' parameters, which become views of them."""
+def _restack(module: nn.Module) -> None:
+    """Build the parent's stacked tensors from its siblings' parameters, which become views of them."""
     with torch.no_grad():
-        for module in parents:
-            columns = _columns(module)
-            for kind in ("weight", "bias"):
-                if getattr(columns[0], kind) is None:
-                    continue
-                whole = torch.cat([getattr(c, kind).data for c in columns])
-                for c in columns:
-                    getattr(c, kind).data = whole[c.start:c.stop]
-                setattr(module, f"stacked_{kind}", whole)
-
-
-def unstack(parents: list[nn.Module]) -> None:
-    """Drop the stacked tensors (their siblings' parameters were moved elsewhere: parked on the host)."""
-    for module in parents:
-        module.stacked_weight = module.stacked_bias = None
+        columns = _columns(module)
+        for kind in ("weight", "bias"):
+            if getattr(columns[0], kind) is None:
+                continue
+            whole = torch.cat([getattr(c, kind).data for c in columns])
+            for c in columns:
+                getattr(c, kind).data = whole[c.start:c.stop]
+            setattr(module, f"stacked_{kind}", whole)

@@ -3,11 +3,12 @@
 - **Names.** ``tensors`` maps each name a weight update may use to its parameter or buffer: the HF model's names,
   tied weights under each of their names. ``aliases`` adds the names of a model served with LoRA adapters: the
   saved-adapter keys of its A and B matrices, and the plain HF names of its adapted linears.
+- **Placement**: the sibling projections are stacked (stacking.py), then every parameter and buffer goes into one
+  allocation of the memory's ``weights`` region (memory.py), which a release gives back and a resume restores at the
+  same addresses.
 - **Updates** (``load``): every name and shape is checked before anything is copied. Copies go into the live
-  parameters in place (the CUDA graphs keep reading the same storage), or into the parked host copy while the
-  weights are released.
-- **Parking** (``park``, ``resume``): the weights go to pinned host memory and come back. The stacked sibling
-  projections (stacking.py) are dropped and built again.
+  parameters in place (the CUDA graphs keep reading the same storage), or into their host copy while the weights
+  are released.
 - **Named adapters** (SGLang's LoRA protocol): ``add_adapter``, ``drop_adapter``, and ``activate``, which puts one
   into the adapter modules before a batch that uses it.
 - **Weight-update groups**: the process groups that distributed updates arrive through.
@@ -18,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from slime_hydra.rollout.engines.embedded import stacking
+from slime_hydra.rollout.engines.embedded.memory import Releasable, place
 from slime_hydra.rollout.engines.embedded.protocol import RequestError
 from slime_hydra.weight_transport import adapter_key, destroy_weight_update_group
 
@@ -40,20 +42,23 @@ def add_adapters(model: torch.nn.Module, lora: dict) -> None:
 
 
 class Weights:
-    """The model's weights by name, their parked host copy, the named adapters and the weight-update groups."""
+    """The model's weights by name, in the weights region of the engine's memory; the named adapters and the
+    weight-update groups."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, lora: Optional[dict]):
-        self.device = device
+    def __init__(self, model: torch.nn.Module, memory: Releasable, lora: Optional[dict]):
+        """model: on the host; stacked and placed on ``memory``'s device here."""
+        self.device = memory.device
+        self.memory = memory
         self.lora = lora
         """The adapter config the model is served with (None: no adapters)."""
         self.stacked = stacking.stack(model)
         """The modules whose sibling projections run as one matmul."""
+        with memory.region("weights"):
+            place(model, self.device)
         self.tensors = model.state_dict(keep_vars=True)
         """Name -> parameter/buffer (tied weights appear under each of their names) for loading updates."""
         self.aliases = self._adapter_aliases()
         """Names updates may use for tensors the model holds under PEFT's names (adapter keys, base weights)."""
-        self.parked: Optional[dict[int, torch.Tensor]] = None
-        """While released: id(parameter) -> its host copy."""
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
         """Named adapters (SGLang's /load_lora_adapter): name -> PEFT parameter name -> tensor (fp32, on the device)."""
         self.serving: Optional[str] = None
@@ -61,10 +66,6 @@ class Weights:
         self._own: Optional[dict[str, torch.Tensor]] = None
         """While a named adapter is served: the model's own adapter (what updates by saved-adapter keys set)."""
         self._groups: dict[str, Any] = {}
-
-    @property
-    def released(self) -> bool:
-        return self.parked is not None
 
     def _adapter_aliases(self) -> dict[str, str]:
         """adapter_key(m, X) -> ``m.lora_X.default.weight``; an adapted linear's HF name ``m.weight`` (``m.bias``)
@@ -83,8 +84,9 @@ class Weights:
         return self.aliases.get(name, name) in self.tensors
 
     def load(self, named: dict[str, torch.Tensor], complete: bool) -> None:
-        """Copy tensors into the model (or its parked copy); names/shapes are all checked before anything is copied.
-        Names are the HF model's, or saved-adapter keys for the adapters of a model served with LoRA.
+        """Copy tensors into the model (or its host copy while released); names/shapes are all checked before
+        anything is copied. Names are the HF model's, or saved-adapter keys for the adapters of a model served with
+        LoRA.
 
         complete: every weight of the kind given must be given (a disk reload: the whole model, or the whole
         adapter), counting tied weights once.
@@ -95,8 +97,8 @@ class Weights:
             target = self.tensors.get(name)
             if target is None:
                 problems.append(f"unknown weight {name!r}")
-            elif tuple(tensor.shape) != tuple(self._shape(target)):
-                problems.append(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(self._shape(target))}")
+            elif tuple(tensor.shape) != tuple(target.shape):
+                problems.append(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(target.shape)}")
         if complete:
             covered = {id(self.tensors[n]) for n in named if n in self.tensors}
             adapter = all(".lora_" in n for n in named)
@@ -111,18 +113,11 @@ class Weights:
             self._own[name].copy_(tensor)
 
     def _write(self, named: dict[str, torch.Tensor]) -> None:
-        """Copy tensors, by the model's own names, into the live parameters (or their parked copies)."""
+        """Copy tensors, by the model's own names, into the live parameters (or their host copies)."""
         with torch.no_grad():
             for name, tensor in named.items():
-                target = self.tensors[name]
-                dest = self._parked_or_live(target)
+                dest = self.memory.writable(self.tensors[name])
                 dest.copy_(tensor.to(dest.device))
-
-    def _parked_or_live(self, target: torch.Tensor) -> torch.Tensor:
-        return self.parked[id(target)] if self.parked is not None and id(target) in self.parked else target
-
-    def _shape(self, target: torch.Tensor) -> torch.Size:
-        return self._parked_or_live(target).shape
 
     # -- named adapters (SGLang's LoRA protocol) -------------------------------------------------------------------
 
@@ -145,8 +140,8 @@ class Weights:
         mapped = {self.aliases.get(k, k): t for k, t in named.items()}
         slots = {n: t for n, t in self.tensors.items() if ".lora_" in n}
         problems = [f"unknown adapter weight {k!r}" for k in named if self.aliases.get(k, k) not in slots]
-        problems += [f"{n}: shape {tuple(t.shape)} != {tuple(self._shape(slots[n]))}" for n, t in mapped.items()
-                     if n in slots and tuple(t.shape) != tuple(self._shape(slots[n]))]
+        problems += [f"{n}: shape {tuple(t.shape)} != {tuple(slots[n].shape)}" for n, t in mapped.items()
+                     if n in slots and tuple(t.shape) != tuple(slots[n].shape)]
         missing = sorted(set(slots) - set(mapped))
         if missing:
             problems.append(f"missing adapter weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
@@ -165,41 +160,11 @@ class Weights:
         if name == self.serving:
             return
         if self.serving is None:
-            self._own = {n: self._parked_or_live(t).clone() for n, t in self.tensors.items() if ".lora_" in n}
+            self._own = {n: self.memory.writable(t).clone() for n, t in self.tensors.items() if ".lora_" in n}
         self._write(self._own if name is None else self.adapters[name])
         if name is None:
             self._own = None
         self.serving = name
-
-    # -- parking ---------------------------------------------------------------------------------------------------
-
-    def park(self) -> None:
-        """Move the weights to host memory (pinned: torch's caching allocator) and free their device storage; the
-        caller drops whatever reads them first (CUDA graphs)."""
-        if self.parked is not None:
-            return
-        parked = {}
-        for target in self.tensors.values():
-            if id(target) not in parked:
-                parked[id(target)] = target.data.to("cpu", non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        for target in self.tensors.values():
-            target.data = torch.empty(0, dtype=target.dtype, device=self.device)
-        stacking.unstack(self.stacked)
-        self.parked = parked
-
-    def resume(self) -> None:
-        """Put the parked weights back on the device."""
-        if self.parked is None:
-            return
-        for target in self.tensors.values():
-            if id(target) in self.parked:
-                target.data = self.parked[id(target)].to(self.device, non_blocking=True)
-        stacking.restack(self.stacked)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.parked = None
 
     # -- weight-update groups --------------------------------------------------------------------------------------
 
