@@ -47,7 +47,9 @@ python3 - "$out/run/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "perf/step_time" in l]
 keys = ["perf/step_time", "perf/rollout_time", "perf/logprobs_time", "perf/train_time", "perf/weight_sync_time",
-        "perf/offload_time", "perf/checkpoint_time", "perf/overhead_time", "perf/tokens_per_s", "rollout/tokens", "sync/bytes",
+        "perf/offload_time", "perf/offload_trainer_offload_time", "perf/offload_engine_resume_time",
+        "perf/offload_engine_release_time", "perf/offload_trainer_onload_time", "perf/offload_release_and_onload_time",
+        "perf/checkpoint_time", "perf/overhead_time", "perf/tokens_per_s", "rollout/tokens", "sync/bytes",
         "perf/trainer_gpu_gb_engines", "perf/trainer_gpu_gb_trainer", "perf/trainer_gpu_peak_gb",
         "train/train_rollout_logprob_abs_diff",
         "rollout/engine_gpu_peak_gb"]

@@ -21,7 +21,7 @@ separate GPUs) the rollout of step k+1 is started before step k trains, on the w
 the buffer drops groups more than ``max_staleness`` versions old, and a sync that arrives mid-rollout is applied
 in place (generation continues on the new weights; TIS, ``algo.tis_cap``, corrects the mixed logprobs).
 
-Colocated on GPUs (``cluster.colocate``), trainer and engines take turns with the GPU memory (``hand_gpus_to``),
+Colocated on GPUs (``cluster.colocate``), trainer and engines take turns with the GPU memory (turns.py),
 unless the memory plan fits both on one GPU together (``cluster.colocate_offload``, config/memory.py).
 
 Every phase runs inside ``timer.phase(<name>)`` (tracking/phases.py), which writes ``perf/<name>_time`` (s):
@@ -67,6 +67,7 @@ from slime_hydra.tracking.progress import ProgressView
 from slime_hydra.tracking.tracker import Tracker
 from slime_hydra.train.objectives import ActorLoss, CriticLoss
 from slime_hydra.train.prepare import add_advantages, needs_old_logprobs, to_train_batch
+from slime_hydra.turns import GpuTurns
 
 PHASE_WAITS_ON = {
     "rollout": "the rollout manager (RolloutManager.generate_batch)",
@@ -142,8 +143,8 @@ class Session:
         self.timer, self.doctor = StepTimer(), None
         self.last_save = time.monotonic()  # save_every_minutes counts from the start, then from each save
         self.saving, self.write_time = None, None  # see finish_save
-        self.gpu_holder = "both"  # colocated on GPUs: who holds the GPU memory now (see hand_gpus_to)
-        self.trainer_gpu_bytes: dict[str, float] = {}
+        self.turns = GpuTurns([g for g in (self.trainer, self.critic) if g is not None], self.manager,
+                              self.colocated_moves and None not in (self.trainer, self.manager))
         if self.resume_from is not None:
             self.load(self.resume_from)
         # steps after the checkpoint (all of them without one) were logged by a run that died: logged again now
@@ -252,17 +253,18 @@ class Session:
             while self.step < cfg.num_steps:
                 step, timer = self.step, StepTimer()
                 self.timer = timer
-                self.hand_gpus_to("engines", timer)                          # colocated GPUs: memory moves
+                self.turns.hand_to("engines", timer)                        # colocated GPUs: memory moves
                 samples, metrics = self.rollout_phase(step, timer)          # generate -> score -> filter
                 if self.trainer is not None:
-                    self.hand_gpus_to("trainer", timer)
+                    self.turns.hand_to("trainer", timer)
                     metrics.update(self.train_phase(samples, timer))        # old/ref logprobs -> advantages -> train
                     if (step + 1) % cfg.sync_every_steps == 0 and self.manager is not None:
-                        self.hand_gpus_to("both", timer)
+                        self.turns.hand_to("both", timer)
                         with timer.phase("weight_sync"):
                             metrics.update(self.trainer.push_weights(step + 1))  # engines get version step + 1
                 self.step = step + 1
                 if self._eval_due(self.step):
+                    self.turns.hand_to("engines", timer)
                     with timer.phase("eval"):
                         metrics.update(self.evaluate())
                 due = self._save_due() or preempt.requested()
@@ -273,7 +275,7 @@ class Session:
                             self.save(wait=self.step == cfg.num_steps or preempt.requested())
                 if self.write_time is not None:
                     metrics["perf/checkpoint_write_time"], self.write_time = self.write_time, None
-                metrics.update({f"perf/trainer_gpu_gb_{k}": v / 2**30 for k, v in self.trainer_gpu_bytes.items()})
+                metrics.update(self.turns.metrics())
                 if self.on_gpu and self.trainer is not None:  # for the memory plan's calibration (config/memory.py)
                     metrics["perf/trainer_gpu_peak_gb"] = max(self.trainer.call("peak_memory")) / 2**30
                 metrics.update(timer.metrics())
@@ -286,29 +288,6 @@ class Session:
         if not self._save_due():
             self.save(wait=True)
         return "done"
-
-    def hand_gpus_to(self, holder: str, timer: StepTimer) -> None:
-        """Colocated on GPUs, trainer and engines take turns with the memory (slime's offload): "engines" (trainer
-        parameters and optimizer state to pinned host memory; the engines resume) while generating, "trainer" (the
-        engines park their weights on the host) while training, "both" for the weight sync (CUDA IPC). Elsewhere,
-        and where both stay resident (``colocated_moves`` false: the engines keep KV cache and CUDA graphs), nothing
-        moves. Timed as ``offload``; the trainer's GPU memory after it (bytes, largest rank): trainer_gpu_bytes."""
-        active = self.colocated_moves and None not in (self.trainer, self.manager)
-        if not active or holder == self.gpu_holder:
-            return
-        with timer.phase("offload"):
-            groups = [g for g in (self.trainer, self.critic) if g is not None]
-            if holder == "engines":
-                held = [b for g in groups for b in g.call("offload")]
-                ray.get(self.manager.resume_memory.remote())
-            else:
-                if holder == "trainer":
-                    ray.get(self.manager.release_memory.remote())
-                held = [b for g in groups for b in g.call("onload")]
-                if holder == "both":
-                    ray.get(self.manager.resume_memory.remote())
-        self.gpu_holder = holder
-        self.trainer_gpu_bytes[holder] = max(held)
 
     def rollout_phase(self, step: int, timer: StepTimer) -> tuple[list[Sample], dict]:
         """This step's samples and rollout metrics (timed as ``rollout``); in async mode also starts the next
@@ -346,10 +325,10 @@ class Session:
         """Send the current policy (version ``step``) again: restarted engines are waiting for it."""
         print(f"loop: step {step}: the engines restarted without the current weights; sending version {step} again",
               flush=True)
-        self.hand_gpus_to("both", timer)
+        self.turns.hand_to("both", timer)
         with timer.phase("weight_sync"):
             self.trainer.push_weights(step)
-        self.hand_gpus_to("engines", timer)
+        self.turns.hand_to("engines", timer)
 
     def train_phase(self, samples: list[Sample], timer: StepTimer) -> dict:
         """Old/ref logprobs and values, advantages, then the optimizer steps of one rollout batch."""

@@ -74,7 +74,7 @@ from slime_hydra.model.hf import load_tokenizer
 from slime_hydra.net import backoff_s
 from slime_hydra.reward import RewardScorer
 from slime_hydra.rollout.auth import API_KEY_FILE, new_api_key, write_private
-from slime_hydra.rollout.client import EngineError, EngineUnavailable, SGLangClient
+from slime_hydra.rollout.client import MEMORY_TAGS, EngineError, EngineUnavailable, SGLangClient
 from slime_hydra.rollout.engine_pool import EnginePool
 from slime_hydra.rollout.engines.process import last_traceback
 from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, sampling_params
@@ -132,6 +132,8 @@ class RolloutManager:
         self.router = Router(policy=cfg.rollout.router_policy, log_path=self.run_dir / "logs" / "router.log",
                              api_key=self.api_key)
         self.pool = EnginePool(engines, self.router, cfg.rollout.health_check_interval_s, self.api_key)
+        self.released: set[str] = set()
+        """The MEMORY_TAGS the engines have given back (release_memory) and not resumed yet."""
         self.weights = WeightRelay(self.pool, self.buffer.set_weight_version, self._use_adapter)
         self.max_context = cfg.model.max_position_embeddings
         self.generate_retries = 0
@@ -380,11 +382,17 @@ class RolloutManager:
         return self.pool.group_stale
 
     async def release_memory(self) -> None:
-        """Colocated GPUs: every engine parks its weights on the host so the trainer can use the GPU memory."""
-        await self.pool.on_engines("release_memory_occupation")
+        """Colocated GPUs: every engine gives back its GPU memory (all of MEMORY_TAGS) so the trainer can use it."""
+        await self.pool.on_engines("release_memory_occupation", list(MEMORY_TAGS))
+        self.released = set(MEMORY_TAGS)
 
-    async def resume_memory(self) -> None:
-        await self.pool.on_engines("resume_memory_occupation")
+    async def resume_memory(self, tags: Optional[list[str]] = None) -> None:
+        """Take back what ``release_memory`` gave, of ``tags`` (None: all); tags not released are skipped (SGLang
+        refuses to resume them)."""
+        todo = [t for t in (tags or MEMORY_TAGS) if t in self.released]
+        if todo:
+            await self.pool.on_engines("resume_memory_occupation", todo)
+            self.released -= set(todo)
 
     async def engine_weight_versions(self) -> list[str]:
         return await self.pool.on_engines("get_weight_version")

@@ -18,6 +18,10 @@ import torch
 
 from slime_hydra.train.optim import local_states
 
+ONLOAD_MARGIN = 1 << 30
+"""Bytes of free device memory ``onload_fits`` keeps beyond the state it brings back (allocator rounding, the CUDA
+context's own growth)."""
+
 
 def to_host(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[dict, str]]:
     """Move the model and the optimizer's GPU state to the host; returns the (state dict, key) pairs moved."""
@@ -46,6 +50,7 @@ class Offloadable:
     """``offload`` / ``onload`` for a backend with ``self.model``, ``self.optimizer`` and ``self.device``."""
 
     _offloaded = None
+    _offloaded_bytes = 0
 
     def offload(self) -> float:
         """Colocated GPUs: parameters and optimizer state to the host while engines generate. Returns the GPU
@@ -53,8 +58,17 @@ class Offloadable:
         if self.device.type != "cuda":
             return 0.0
         if self._offloaded is None:
+            held = torch.cuda.memory_allocated()
             self._offloaded = to_host(self.model, self.optimizer)
+            self._offloaded_bytes = held - torch.cuda.memory_allocated()
         return float(torch.cuda.memory_allocated())
+
+    def onload_fits(self) -> bool:
+        """Whether ``onload`` fits the device's free memory now, with ``ONLOAD_MARGIN`` to spare (then it may run while
+        colocated engines still release theirs: a release only adds free memory)."""
+        if self.device.type != "cuda" or self._offloaded is None:
+            return True
+        return torch.cuda.mem_get_info(self.device)[0] >= self._offloaded_bytes + ONLOAD_MARGIN
 
     def peak_memory(self) -> float:
         """The most GPU memory torch allocated in this process since the last call (bytes; 0 on CPU)."""

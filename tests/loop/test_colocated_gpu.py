@@ -52,16 +52,16 @@ def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype, offload)
         gaps = {}
         for step in range(2):
             timer = StepTimer()
-            session.hand_gpus_to("engines", timer)             # trainer offloaded, engine weights resumed
+            session.turns.hand_to("engines", timer)             # trainer offloaded, engine memory resumed
             samples, _ = session.rollout_phase(step, timer)
-            session.hand_gpus_to("trainer", timer)             # engine weights parked, trainer onloaded
+            session.turns.hand_to("trainer", timer)             # engine memory released, trainer onloaded
             trained_before = trainer_logprobs(session)
             metrics = session.train_phase(samples, timer)      # the training forward vs the sampling engine
             gaps[f"rollout_{step}"] = (metrics["train/train_rollout_logprob_abs_diff"],
                                        metrics["train/train_rollout_logprob_abs_diff_max"])
             trained = trainer_logprobs(session)
             assert gap(trained_before, trained)[1] > 1e-4      # the step moved the policy
-            session.hand_gpus_to("both", timer)                # engine weights resumed for the sync
+            session.turns.hand_to("both", timer)                # engine weights resumed for the sync
             session.trainer.push_weights(step + 1)             # CUDA IPC
             after, version = engine_logprobs(url, key)
             assert version == str(step + 1)
