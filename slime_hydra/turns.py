@@ -53,7 +53,10 @@ class GpuTurns:
             else:
                 if holder == "trainer":
                     self._timed("engine_release", [self.manager.release_memory.remote()])
-                held = self._timed("trainer_onload", self._ranks("onload"))
+                if self.holder == "trainer":  # handing on to "both": the trainer is loaded already
+                    held = [self.trainer_bytes["trainer"]]
+                else:
+                    held = self._timed("trainer_onload", self._ranks("onload"))
                 if holder == "both":
                     self._timed("engine_resume", [self.manager.resume_memory.remote(["weights"])])
         self.holder = holder

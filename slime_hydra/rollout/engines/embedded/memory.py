@@ -19,7 +19,8 @@ are only marked, so the engine's protocol (no steps while released, updates land
 ``place`` puts a model's parameters and buffers into one allocation, so the weights region holds exactly them.
 """
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
+from functools import cache
 from typing import Iterator, Sequence
 
 import torch
@@ -33,14 +34,13 @@ _ALIGN = 256
 """Byte alignment of each storage in ``place``'s allocation (the CUDA allocator's)."""
 
 
+@cache
 def _saver():
     """torch_memory_saver's process-wide instance, set to its in-process mode on first use."""
     from torch_memory_saver import torch_memory_saver
 
-    if not getattr(_saver, "ready", False):
-        torch_memory_saver.hook_mode = "torch"
-        torch_memory_saver.retain_cpu_backup = True  # one pinned host copy, reused by every release
-        _saver.ready = True
+    torch_memory_saver.hook_mode = "torch"
+    torch_memory_saver.retain_cpu_backup = True  # one pinned host copy, reused by every release
     return torch_memory_saver
 
 
