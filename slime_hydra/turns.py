@@ -6,8 +6,10 @@ plan fits both on one GPU together (``cluster.colocate_offload``, config/memory.
                                       # memory (train/offload.py); the engines take back what they gave
     turns.hand_to("trainer", timer)   # to train: the engines release their weights and KV cache (their addresses and
                                       # CUDA graphs stay: rollout/engines/embedded/memory.py); the trainer onloads
+                                      # its parameters, its optimizer state arrives during the logprob passes
     turns.hand_to("both", timer)      # to sync weights (CUDA IPC): the engines resume their weights only, as slime
-                                      # does; their cache comes back once the trainer is out (or at a request's need)
+                                      # does; their cache comes back once the trainer is out (or at a request's
+                                      # need); the trainer's optimizer state starts for the host meanwhile
     turns.metrics()                   # this step's moves, and the trainer's GPU memory in each state
 
 Handing to the trainer, its onload runs while the engines release (the copies go opposite ways over PCIe) when
@@ -57,8 +59,9 @@ class GpuTurns:
                     held = [self.trainer_bytes["trainer"]]
                 else:
                     held = self._timed("trainer_onload", self._ranks("onload"))
-                if holder == "both":
-                    self._timed("engine_resume", [self.manager.resume_memory.remote(["weights"])])
+                if holder == "both":  # after training: the optimizer state starts for the host meanwhile
+                    leaving = self._ranks("start_offload") if self.holder == "trainer" else []
+                    self._timed("engine_resume", [self.manager.resume_memory.remote(["weights"])] + leaving)
         self.holder = holder
         self.trainer_bytes[holder] = max(held)
 

@@ -10,7 +10,7 @@ rank of the group, collectively), implemented by train=fsdp (train/fsdp.py) and 
     backend.save(dir, background); backend.load(dir); backend.export_hf(dir)  # resumable checkpoint / HF export
     backend.export_adapter(dir)                                              # train.lora: a PEFT adapter directory
     seconds = backend.save_finished(wait)                                   # None while a background write runs
-    backend.offload(); backend.onload()                                      # colocated GPUs (train/offload.py)
+    backend.start_offload(); backend.offload(); backend.onload()             # colocated GPUs (train/offload.py)
 
 With train.lora the base weights are frozen: ``iter_full_weights`` and ``export_hf`` give merged weights
 (W + scale * B A), the reference policy is the base model (the adapter switched off), checkpoints hold the adapter

@@ -225,6 +225,7 @@ class FSDPBackend(TrainBackend):
                     self._compute.accumulate_grads()
                 if idx:
                     step_metrics.add(metrics, weight)
+        self._optimizer_state_ready()  # colocated: onload left its copies in flight (train/offload.py)
         lr = self.scheduler.get_last_lr()[0]
         trained = [p for p in self.model.parameters() if p.requires_grad]
         if self.fsdp:  # DTensor gradients: torch's clipping, whose norm and coefficient stay DTensors
@@ -287,6 +288,7 @@ class FSDPBackend(TrainBackend):
         them from its own thread; a CheckpointWriter thread then writes the other two files, whose contents are
         taken now (the RNG state is a fresh copy, the reference shards never change, the scheduler is copied)."""
         self.writer.finished(wait=True)  # the stager's buffers still feed a running write until it ends
+        self._optimizer_state_ready()
         ckpt_dir = Path(ckpt_dir)
         model_sd, optim_sd = self._state_dicts()
         state, rank = {"model": model_sd, "optim": optim_sd}, dist.get_rank()

@@ -1,17 +1,24 @@
 """Trainer memory off the GPU while colocated engines generate (slime's offload), and back before training.
 
-    moved = to_host(model, optimizer)      # parameters, buffers, optimizer state -> host; returns what moved
-    to_device(model, optimizer, moved, device)
+    backend.start_offload()   # after training: the optimizer state starts for the host on a side stream (the weight
+                              # sync that follows reads only the parameters)
+    backend.offload()         # parameters and buffers to the host, the optimizer state's copies end; CUDA cache emptied
+    backend.onload()          # parameters back (waited for); the optimizer state's copies start on the side stream
+    ...logprobs...            # forward passes run while the optimizer state arrives
+    backend.train_step(...)   # waits for it before the optimizer step (``_optimizer_state_ready``)
 
-Backends get ``offload()`` / ``onload()`` from ``Offloadable`` (they need ``model``, ``optimizer``, ``device``).
+Backends get these from ``Offloadable`` (they need ``model``, ``optimizer``, ``device``) and call
+``_optimizer_state_ready`` before anything reads the optimizer state (the optimizer step, a checkpoint).
 
-Parameters and buffers move with ``module.to`` (an FSDP2 module re-registers its sharded parameters there);
-optimizer state tensors that were on the GPU move one by one and come back to the same device, so the
-optimizer's parameter references stay valid (``module.to`` keeps the Parameter objects). Copies are
-``non_blocking``: a device-to-host copy then lands in pinned memory from torch's caching host allocator (reused
-from one offload to the next), so both directions run at PCIe speed; one synchronize ends each move. Gradients are expected
-to be freed already (``zero_grad(set_to_none=True)`` after every step). The CUDA cache is emptied afterwards so
-the engines can take the memory.
+Parameters and buffers move with ``module.to`` on the current stream (an FSDP2 module re-registers its sharded
+parameters there); their copies end before ``offload`` / ``onload`` return. Optimizer state tensors that were on the
+GPU move one by one on a side stream and come back to the same device, so the optimizer's parameter references stay
+valid (``module.to`` keeps the Parameter objects). Adam's two moments are two thirds of the trainer's state (fp32
+masters + m + v: 12 bytes a parameter), so leaving their copies in flight takes that share of the PCIe traffic off
+the colocated switch: it runs beside the engines' resume and the weight sync on the way out, and beside the logprob
+passes on the way back. Copies are ``non_blocking``: a device-to-host copy lands in pinned memory from torch's
+caching host allocator (reused from one offload to the next), so both directions run at PCIe speed. Gradients are
+expected to be freed already (``zero_grad(set_to_none=True)`` after every step).
 """
 
 import torch
@@ -23,34 +30,37 @@ ONLOAD_MARGIN = 1 << 30
 context's own growth)."""
 
 
-def to_host(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[dict, str]]:
-    """Move the model and the optimizer's GPU state to the host; returns the (state dict, key) pairs moved."""
-    model.to("cpu", non_blocking=True)
-    moved = []
-    for state in local_states(optimizer):  # ZeroRedundancyOptimizer: its shard's; optim.Partitioned: each part's
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.is_cuda:
-                state[key] = value.to("cpu", non_blocking=True)
-                moved.append((state, key))
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return moved
-
-
-def to_device(model: torch.nn.Module, optimizer: torch.optim.Optimizer, moved: list[tuple[dict, str]],
-              device: torch.device) -> None:
-    """Inverse of ``to_host``."""
-    model.to(device, non_blocking=True)
-    for state, key in moved:
-        state[key] = state[key].to(device, non_blocking=True)
-    torch.cuda.synchronize()
+def _gpu_state(optimizer: torch.optim.Optimizer) -> list[tuple[dict, str]]:
+    """The (state dict, key) of every optimizer state tensor this rank holds on the GPU (ZeroRedundancyOptimizer: its
+    shard's; optim.Partitioned: each part's)."""
+    return [(state, key) for state in local_states(optimizer) for key, value in state.items()
+            if torch.is_tensor(value) and value.is_cuda]
 
 
 class Offloadable:
-    """``offload`` / ``onload`` for a backend with ``self.model``, ``self.optimizer`` and ``self.device``."""
+    """``start_offload`` / ``offload`` / ``onload`` for a backend with ``self.model``, ``self.optimizer`` and
+    ``self.device``."""
 
-    _offloaded = None
+    _offloaded: list[tuple[dict, str]] | None = None
+    """The optimizer state entries on the host (None while the trainer is on the GPU)."""
     _offloaded_bytes = 0
+    _leaving: tuple[torch.cuda.Event, list[tuple[dict, str, torch.Tensor]]] | None = None
+    """Copies to the host in flight: their end, and each (state, key, host copy); the state still holds the GPU
+    tensor (valid: nothing writes it before the next optimizer step)."""
+    _arriving: tuple[torch.cuda.Event, list[torch.Tensor]] | None = None
+    """Copies to the GPU in flight: their end, and the host copies they read."""
+    _stream: torch.cuda.Stream | None = None
+
+    def start_offload(self) -> None:
+        """Colocated GPUs, after training: the optimizer state's copies to the host start (``offload`` ends them)."""
+        if self.device.type != "cuda" or self._offloaded is not None or self._leaving is not None:
+            return
+        self._optimizer_state_ready()
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream())  # after the optimizer step that wrote the state
+        with torch.cuda.stream(stream):
+            copies = [(state, key, state[key].to("cpu", non_blocking=True)) for state, key in _gpu_state(self.optimizer)]
+        self._leaving = (stream.record_event(), copies)
 
     def offload(self) -> float:
         """Colocated GPUs: parameters and optimizer state to the host while engines generate. Returns the GPU
@@ -59,7 +69,16 @@ class Offloadable:
             return 0.0
         if self._offloaded is None:
             held = torch.cuda.memory_allocated()
-            self._offloaded = to_host(self.model, self.optimizer)
+            self.start_offload()
+            self.model.to("cpu", non_blocking=True)
+            event, copies = self._leaving
+            event.synchronize()
+            for state, key, host in copies:
+                state[key] = host
+            torch.cuda.current_stream().synchronize()  # the parameters' copies
+            self._leaving = None
+            self._offloaded = [(state, key) for state, key, _ in copies]
+            torch.cuda.empty_cache()
             self._offloaded_bytes = held - torch.cuda.memory_allocated()
         return float(torch.cuda.memory_allocated())
 
@@ -79,10 +98,35 @@ class Offloadable:
         return peak
 
     def onload(self) -> float:
-        """Back on the GPU before training; returns the GPU bytes held."""
+        """Back on the GPU before training: the parameters now, the optimizer state on the side stream (waited for
+        by ``_optimizer_state_ready``); returns the GPU bytes held."""
         if self.device.type != "cuda":
             return 0.0
         if self._offloaded is not None:
-            to_device(self.model, self.optimizer, self._offloaded, self.device)
+            self.model.to(self.device, non_blocking=True)
+            main, stream = torch.cuda.current_stream(), self._side_stream()
+            hosts = [state[key] for state, key in self._offloaded]
+            for (state, key), host in zip(self._offloaded, hosts):  # allocated on the current stream, which uses them
+                state[key] = torch.empty_like(host, device=self.device)
+                state[key].record_stream(stream)  # not reused before the copy into it ends, whatever frees it
+            stream.wait_stream(main)  # the memory may have been freed by work still queued there
+            with torch.cuda.stream(stream):
+                for (state, key), host in zip(self._offloaded, hosts):
+                    state[key].copy_(host, non_blocking=True)
+            self._arriving = (stream.record_event(), hosts)
             self._offloaded = None
+            main.synchronize()  # the parameters' copies
         return float(torch.cuda.memory_allocated())
+
+    def _optimizer_state_ready(self) -> None:
+        """Before the optimizer state is read: the current stream waits for its copies back to the GPU."""
+        if self._arriving is not None:
+            event, _ = self._arriving
+            torch.cuda.current_stream().wait_event(event)
+            event.synchronize()  # then the host copies may go back to the pinned cache
+            self._arriving = None
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream

@@ -426,6 +426,7 @@ class MegatronBackend(TrainBackend):
                               before_backward=aux_loss_scale if self.arch.moe_aux_loss_coeff > 0 else None)
         self.gradients.reduce()
         grad_norm = self.gradients.norm()
+        self._optimizer_state_ready()  # colocated: onload left its copies in flight (train/offload.py)
         lr = self.scheduler.get_last_lr()[0]
         clip_and_step(self.optimizer, [p.grad for p in self.gradients.params.values()], grad_norm,
                       self.train_cfg.clip_grad)
@@ -480,6 +481,7 @@ class MegatronBackend(TrainBackend):
     def save(self, ckpt_dir: str | Path, background: bool = False) -> None:
         """Resumable checkpoint (checkpoint.py): this (PP stage, TP rank) slot's parameters, optimizer and reference
         shards; scheduler, step; every rank's RNG; ``background``: written by a thread from a host copy."""
+        self._optimizer_state_ready()
         checkpoint.save(self, ckpt_dir, background)
 
     def load(self, ckpt_dir: str | Path) -> None:
