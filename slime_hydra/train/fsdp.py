@@ -225,7 +225,7 @@ class FSDPBackend(TrainBackend):
                     self._compute.accumulate_grads()
                 if idx:
                     step_metrics.add(metrics, weight)
-        self._optimizer_state_ready()  # colocated: onload left its copies in flight (train/offload.py)
+        self._optimizer_state_ready(to_write=True)  # colocated: copies may be in flight (train/offload.py)
         lr = self.scheduler.get_last_lr()[0]
         trained = [p for p in self.model.parameters() if p.requires_grad]
         if self.fsdp:  # DTensor gradients: torch's clipping, whose norm and coefficient stay DTensors

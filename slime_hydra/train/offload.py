@@ -8,7 +8,8 @@
     backend.train_step(...)   # waits for it before the optimizer step (``_optimizer_state_ready``)
 
 Backends get these from ``Offloadable`` (they need ``model``, ``optimizer``, ``device``) and call
-``_optimizer_state_ready`` before anything reads the optimizer state (the optimizer step, a checkpoint).
+``_optimizer_state_ready`` before anything reads the optimizer state (a checkpoint) or writes it (the optimizer step,
+``to_write=True``).
 
 Parameters and buffers move with ``module.to`` on the current stream (an FSDP2 module re-registers its sharded
 parameters there); their copies end before ``offload`` / ``onload`` return. Optimizer state tensors that were on the
@@ -118,13 +119,18 @@ class Offloadable:
             main.synchronize()  # the parameters' copies
         return float(torch.cuda.memory_allocated())
 
-    def _optimizer_state_ready(self) -> None:
-        """Before the optimizer state is read: the current stream waits for its copies back to the GPU."""
+    def _optimizer_state_ready(self, to_write: bool = False) -> None:
+        """Before the optimizer state is read: the current stream waits for its copies back to the GPU. ``to_write``
+        (an optimizer step): copies to the host still in flight are dropped too (they would be stale; the state
+        stays on the GPU)."""
         if self._arriving is not None:
             event, _ = self._arriving
             torch.cuda.current_stream().wait_event(event)
             event.synchronize()  # then the host copies may go back to the pinned cache
             self._arriving = None
+        if to_write and self._leaving is not None:
+            self._leaving[0].synchronize()
+            self._leaving = None
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:

@@ -426,7 +426,7 @@ class MegatronBackend(TrainBackend):
                               before_backward=aux_loss_scale if self.arch.moe_aux_loss_coeff > 0 else None)
         self.gradients.reduce()
         grad_norm = self.gradients.norm()
-        self._optimizer_state_ready()  # colocated: onload left its copies in flight (train/offload.py)
+        self._optimizer_state_ready(to_write=True)  # colocated: copies may be in flight (train/offload.py)
         lr = self.scheduler.get_last_lr()[0]
         clip_and_step(self.optimizer, [p.grad for p in self.gradients.params.values()], grad_norm,
                       self.train_cfg.clip_grad)
