@@ -21,6 +21,8 @@ def test_compiled_logprobs_and_gradients_equal_the_eager_gather(temperature):
         (logp * weights).sum().add(entropy.sum()).backward()
         results.append((logp.detach(), entropy.detach(), leaf.grad.float()))
     (eager_logp, eager_entropy, eager_grad), (logp, entropy, grad) = results
-    assert (logp - eager_logp).abs().max() <= 1e-6  # equal on torch 2.13's CPU inductor
+    # within two fp32 ulps: the CPU inductor's reduction order follows the CPU's vector width (equal on one CI
+    # machine, one ulp apart, 1.9e-6 at -16.5, on another AMD EPYC)
+    assert ((logp - eager_logp).abs() <= 4 * torch.finfo(torch.float32).eps * eager_logp.abs()).all()
     assert (entropy - eager_entropy).abs().max() <= 1e-5
     assert (grad - eager_grad).abs().max() <= 2 ** -8 * eager_grad.abs().max()  # one bf16 step of the largest
