@@ -60,7 +60,8 @@ class Offloadable:
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream())  # after the optimizer step that wrote the state
         with torch.cuda.stream(stream):
-            copies = [(state, key, state[key].to("cpu", non_blocking=True)) for state, key in _gpu_state(self.optimizer)]
+            copies = [(state, key, state[key].to("cpu", non_blocking=True))
+                      for state, key in _gpu_state(self.optimizer)]
         self._leaving = (stream.record_event(), copies)
 
     def offload(self) -> float:
