@@ -55,12 +55,12 @@ class GpuTurns:
             else:
                 if holder == "trainer":
                     self._timed("engine_release", [self.manager.release_memory.remote()])
-                if self.holder == "trainer":  # handing on to "both": the trainer is loaded already
-                    held = [self.trainer_bytes["trainer"]]
+                # on to "both" after training the trainer is loaded already; its optimizer state starts for the host
+                if self.holder == "trainer":
+                    held, leaving = [self.trainer_bytes["trainer"]], self._ranks("start_offload")
                 else:
-                    held = self._timed("trainer_onload", self._ranks("onload"))
-                if holder == "both":  # after training: the optimizer state starts for the host meanwhile
-                    leaving = self._ranks("start_offload") if self.holder == "trainer" else []
+                    held, leaving = self._timed("trainer_onload", self._ranks("onload")), []
+                if holder == "both":
                     self._timed("engine_resume", [self.manager.resume_memory.remote(["weights"])] + leaving)
         self.holder = holder
         self.trainer_bytes[holder] = max(held)
