@@ -6,12 +6,13 @@ benchmarks on GPU machines (a Qwen2.5-0.5B-shaped model with random weights meas
 
 import json
 from pathlib import Path
-from typing import Optional
-
-import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from typing import TYPE_CHECKING, Optional
 
 from slime_hydra.model.config import GROUPED_ROUTER_FAMILIES, ModelConfig
+
+if TYPE_CHECKING:  # torch and transformers' model classes are imported where used: a process that only loads a
+    import torch   # tokenizer (the driver, the rollout manager) saves ~5 s of CPU of importing them
+    from transformers import PretrainedConfig
 
 
 def load_tokenizer(path: str | Path):
@@ -42,7 +43,7 @@ def save_tokenizer(tokenizer, save_dir) -> None:
     config_file.write_text(json.dumps(config, indent=2))
 
 
-def hf_config(model: ModelConfig, **overrides) -> PretrainedConfig:
+def hf_config(model: ModelConfig, **overrides) -> "PretrainedConfig":
     """The transformers config of this architecture: the dense families; Qwen3-MoE (every layer sparse, top-k weights
     renormalised, no shared expert); GLM-4.5 (glm4_moe: GLM-4.5-Air's attention, q/k/v biases, no q/k norm, RoPE on
     half of each head; the sigmoid router with DeepSeek's groups, scaling, shared experts and dense first layers of
@@ -88,13 +89,17 @@ def hf_config(model: ModelConfig, **overrides) -> PretrainedConfig:
     return config
 
 
-def build_random_checkpoint(model: ModelConfig, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+def build_random_checkpoint(model: ModelConfig, out_dir: Path, seed: int = 0, dtype: Optional["torch.dtype"] = None,
                             tokenizer: Optional[object] = None, **overrides) -> Path:
-    """Save a randomly initialised HF checkpoint of this architecture to out_dir (safetensors); return out_dir."""
+    """Save a randomly initialised HF checkpoint of this architecture to out_dir (safetensors; ``dtype`` default
+    fp32); return out_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
     config = hf_config(model, **overrides)
-    net = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    net = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
     net.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer is not None:
         save_tokenizer(tokenizer, out_dir)

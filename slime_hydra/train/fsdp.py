@@ -54,7 +54,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from peft import get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from slime_hydra.checkpoint import write_json
@@ -103,6 +102,8 @@ class FSDPBackend(TrainBackend):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         hf = model
         if self.lora:  # A, B in fp32 (autocast_adapter_dtype); everything else frozen
+            from peft import get_peft_model  # only LoRA runs pay for importing peft (lora.peft_config)
+
             with seeded_init():
                 model = get_peft_model(model, peft_config(train.lora), autocast_adapter_dtype=True)
         model.to(self.device)

@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import peft
 import torch
 from safetensors.torch import save_file
 
@@ -29,8 +28,12 @@ PEFT_ADAPTER = "default"
 """The name PEFT gives the one adapter of a model (its state-dict keys read ``lora_A.default.weight``)."""
 
 
-def peft_config(lora: LoraConfig) -> peft.LoraConfig:
-    """train.lora as PEFT's config (a causal LM: the LM head and embeddings stay frozen)."""
+def peft_config(lora: LoraConfig):
+    """train.lora as PEFT's ``LoraConfig`` (a causal LM: the LM head and embeddings stay frozen). peft is imported
+    here, not with the module: it imports a dozen transformers model classes (~5 s of CPU), which processes that
+    only name adapter tensors or merge them (the driver, megatron ranks) never need."""
+    import peft
+
     return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                            target_modules=list(lora.target_modules), bias=lora.bias, task_type="CAUSAL_LM")
 
