@@ -29,6 +29,10 @@ from slime_hydra.net import answers, free_port
 
 START_TIMEOUT_S = 120.0
 """Seconds ``ray start`` may take to open its GCS port."""
+STARTED_LINE = "Ray runtime started."
+"""What ``ray start`` (2.60) prints once its GCS, raylet and agents are up. ``start`` returns only then: a driver that
+connects as soon as the GCS port opens finds no node yet, and ray.init's own waits for it (1 s, then 2 s polls for
+the session) cost ~3 s more per run than the node takes to come up (measured on the CPU machine)."""
 TERM_GRACE_S = 0.5
 """Seconds the node's process group gets between SIGTERM and SIGKILL. Ray's Python daemons exit within ~20 ms of
 the SIGTERM; the raylet, the GCS and the autoscaler's monitor do not exit on it, and ``ray start`` gives each of them
@@ -74,7 +78,8 @@ class LocalRay:
         self.temp_dir: Optional[str] = None
 
     def start(self) -> str:
-        """Start the node and wait until its GCS answers; returns its address (host:port)."""
+        """Start the node and wait until it is up (its GCS answers and ``ray start`` says so); returns its address
+        (host:port)."""
         port = free_port("127.0.0.1")
         remove_stale_temp_dirs()
         self.temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")  # short: Ray's socket paths stay < 107 chars
@@ -88,12 +93,13 @@ class LocalRay:
                                          stdin=subprocess.DEVNULL, start_new_session=True,
                                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not answers("127.0.0.1", port):
+        while not (answers("127.0.0.1", port) and STARTED_LINE in self.log_path.read_text(errors="replace")):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"'ray start' did not open port {port} within {START_TIMEOUT_S:g} s "
-                                   f"(exit code {self.proc.returncode}); its output: {self.log_path}")
-            time.sleep(0.2)
+                raise RuntimeError(f"'ray start' did not open port {port} and report '{STARTED_LINE}' within "
+                                   f"{START_TIMEOUT_S:g} s (exit code {self.proc.returncode}); its output: "
+                                   f"{self.log_path}")
+            time.sleep(0.1)
         self.address = f"127.0.0.1:{port}"
         return self.address
 

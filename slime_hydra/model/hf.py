@@ -23,11 +23,13 @@ def load_tokenizer(path: str | Path):
     tokenizer_config.json names ``PreTrainedTokenizerFast``; every part of slime_hydra loads tokenizers here so
     the tiny tokenizer comes back exactly as it was saved (model/tiny.py).
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     config_file = Path(path) / "tokenizer_config.json"
     if config_file.exists() and json.loads(config_file.read_text()).get("tokenizer_class") == GENERIC_TOKENIZER:
+        from transformers import PreTrainedTokenizerFast
+
         return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer  # imports transformers' model registry (~3 s of CPU): only when needed
+
     return AutoTokenizer.from_pretrained(str(path))
 
 

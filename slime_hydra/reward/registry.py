@@ -1,25 +1,23 @@
 """Reward functions by name: ``get_reward_fn(reward.name, reward.target)``, ``@group_reward``, ``scalar_reward``."""
 
 import difflib
+import importlib
 from typing import Any, Callable, Optional
 
-from slime_hydra.data.tasks import task_reward
 from slime_hydra.dotted import import_callable
 from slime_hydra.reward.config import REWARD_NAMES
-from slime_hydra.reward.dapo import dapo_reward
-from slime_hydra.reward.exact_match import exact_match_reward
-from slime_hydra.reward.f1 import f1_reward
-from slime_hydra.reward.gpqa import gpqa_reward
-from slime_hydra.reward.math import deepscaler_reward, math_reward
-from slime_hydra.reward.random import random_reward
 from slime_hydra.reward.remote import RemoteReward
 
 RewardFn = Callable[[str, Any, dict], Any]
 
-BUILTINS: dict[str, RewardFn] = {
-    "math": math_reward, "dapo": dapo_reward, "deepscaler": deepscaler_reward, "f1": f1_reward,
-    "gpqa": gpqa_reward, "exact_match": exact_match_reward, "task": task_reward, "random": random_reward,
+BUILTINS: dict[str, str] = {
+    "math": "slime_hydra.reward.math.math_reward", "dapo": "slime_hydra.reward.dapo.dapo_reward",
+    "deepscaler": "slime_hydra.reward.math.deepscaler_reward", "f1": "slime_hydra.reward.f1.f1_reward",
+    "gpqa": "slime_hydra.reward.gpqa.gpqa_reward", "exact_match": "slime_hydra.reward.exact_match.exact_match_reward",
+    "task": "slime_hydra.data.tasks.task_reward", "random": "slime_hydra.reward.random.random_reward",
 }
+"""reward.name -> the built-in function's dotted path, imported when chosen: math-verify (sympy, ~1 s of CPU) loads
+only in runs that score with it."""
 NAMES = REWARD_NAMES
 """Every valid reward.name: the BUILTINS, remote and custom (reward/config.py)."""
 
@@ -38,7 +36,8 @@ def get_reward_fn(name: str, target: Optional[str] = None, **remote_options) -> 
     """The reward function for reward.name: a built-in, ``remote`` (remote_options are RemoteReward's: url,
     timeout_s, max_retries, backoff_s) or ``custom`` (the function at the dotted path ``target``)."""
     if name in BUILTINS:
-        return BUILTINS[name]
+        module, fn = BUILTINS[name].rsplit(".", 1)
+        return getattr(importlib.import_module(module), fn)
     if name == "remote":
         if not remote_options.get("url"):
             raise ValueError("reward.name=remote needs reward.url=http://host:port/path")

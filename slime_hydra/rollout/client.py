@@ -14,13 +14,14 @@ server's message.
 import asyncio
 import json
 import time
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
 
 import aiohttp
-import torch
 
 from slime_hydra.rollout.auth import bearer
-from slime_hydra.weight_transport import encode_named_tensors
+
+if TYPE_CHECKING:  # torch loads only where tensors are sent (update_weights_from_tensor): the rollout manager of a
+    import torch   # run that syncs by broadcast or disk never imports it (~2.5 s of CPU)
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 """What /release_memory_occupation and /resume_memory_occupation name (SGLang's tags; no tags: all of them)."""
@@ -218,11 +219,13 @@ class SGLangClient:
             payload["weight_version"] = str(weight_version)
         return await self.request("POST", "/update_weights_from_disk", payload, timeout_s)
 
-    async def update_weights_from_tensor(self, named_tensors: Union[Mapping[str, torch.Tensor],
-                                                                    Iterable[tuple[str, torch.Tensor]]],
+    async def update_weights_from_tensor(self, named_tensors: Union[Mapping[str, "torch.Tensor"],
+                                                                    Iterable[tuple[str, "torch.Tensor"]]],
                                          weight_version: Optional[str] = None, flush_cache: bool = True,
                                          abort_all_requests: bool = False, timeout_s: Optional[float] = None) -> Any:
         """Send tensors in the request body (base64 safetensors: the embedded engine's format)."""
+        from slime_hydra.weight_transport import encode_named_tensors
+
         payload = {"serialized_named_tensors": [encode_named_tensors(named_tensors)], "flush_cache": flush_cache,
                    "abort_all_requests": abort_all_requests}
         if weight_version is not None:

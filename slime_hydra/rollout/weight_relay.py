@@ -39,7 +39,6 @@ from typing import Callable, Optional
 
 from slime_hydra.rollout.client import EngineError
 from slime_hydra.rollout.engine_pool import EnginePool
-from slime_hydra.weight_transport import buckets
 
 WEIGHT_GROUP = "weight_update_group"
 """The broadcast group's name on every engine."""
@@ -211,6 +210,8 @@ class WeightRelay:
             await client.load_lora_adapter(adapter_name(source.version), source.path)
             await client.update_weight_version(version)
         elif source.kind == "tensor":
+            from slime_hydra.weight_transport import buckets  # torch: only in runs whose weights pass through here
+
             chunks = list(buckets(iter(self._tensors.items()), REPLAY_BUCKET_BYTES))
             for k, chunk in enumerate(chunks):
                 await client.update_weights_from_tensor(dict(chunk), weight_version=version if k == len(chunks) - 1
