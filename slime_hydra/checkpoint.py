@@ -8,6 +8,7 @@ Layout (``k`` = rollout steps completed)::
         rollout.json      the prompt cursor and the buffer (RolloutManager.state_dict)
         loop.json         {"step": k, "next_rollout": ... | null}  (the engines' weight version after a resume is k)
     <run_dir>/checkpoints/latest     the name of the newest complete checkpoint
+    <run_dir>/export/step_000200/    the policy as an HF checkpoint (a finished run's last step; export.py any step)
 
 ``latest`` is written (atomically: temp file + rename) only after everything else is on disk (every file and
 folder fsynced), so a crash during a save leaves the previous checkpoint as the newest. With
@@ -39,6 +40,11 @@ JOB_ERROR = "{job_id}_{rank}_error.json"
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def export_dir(run_dir: Path, step: int) -> Path:
+    """Where the HF export of checkpoint ``step_<N>`` goes (the run's own at its end, or export.py's)."""
+    return Path(run_dir) / "export" / f"step_{step:06d}"
 
 
 def _fsync_path(path: Path) -> None:

@@ -54,12 +54,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from slime_hydra import preempt
 from slime_hydra.buffer.rollout_files import load_saved_rollout, save_rollout
 from slime_hydra.buffer.sample import Sample
-from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, complete, find_resume, write_json
+from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, complete, export_dir, find_resume, write_json
 from slime_hydra.cluster.local_ray import LocalRay, death_report, set_local_ray_env
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import plan_memory
 from slime_hydra.config.schema import SlimeConfig
-from slime_hydra.model.hf import load_tokenizer
+from slime_hydra.model.hf import copy_tokenizer, load_tokenizer
 from slime_hydra.model.warm_start import resolve_model_path
 from slime_hydra.stall import PROBE_TIMEOUT_S, StallDoctor, StallError
 from slime_hydra.tracking.phases import StepTimer
@@ -95,6 +95,8 @@ def run(cfg: SlimeConfig, run_dir: Path) -> str:
     outcome, error = "failed", None
     try:
         model_path = resolve_model_path(cfg.model, cfg.data, cfg.seed)
+        record["model_path"] = str(model_path)  # what export.py builds the run's HF exports on
+        write_json(run_dir / RUN_RECORD, record)
         local_ray = _init_ray(cfg, run_dir)
         try:
             preempt.install()  # after ray.init, which installs its own SIGTERM handler in the driver
@@ -287,6 +289,7 @@ class Session:
                     return "preempted"
         if not self._save_due():
             self.save(wait=True)
+        self.export()
         return "done"
 
     def rollout_phase(self, step: int, timer: StepTimer) -> tuple[list[Sample], dict]:
@@ -417,6 +420,19 @@ class Session:
                 self.write_time = (self.write_time or 0.0) + max(times)
         complete(self.run_dir, self.saving, self.cfg.keep_checkpoints)
         self.saving = None
+
+    def export(self) -> None:
+        """The final policy as an HF checkpoint in ``<run_dir>/export/step_<N>`` (``export_at_end``): merged weights,
+        config and tokenizer, and with train.lora the PEFT adapter in ``adapter/``; export.py writes the same from
+        any checkpoint."""
+        if not self.cfg.export_at_end or self.trainer is None:
+            return
+        out = export_dir(self.run_dir, self.step)
+        self.trainer.call("export_hf", str(out))
+        if self.cfg.train.lora.enabled:
+            self.trainer.call("export_adapter", str(out / "adapter"))
+        copy_tokenizer(self.model_path, out)
+        print(f"the trained model: {out}", flush=True)
 
     def load(self, ckpt: Path) -> None:
         meta = json.loads((ckpt / "loop.json").read_text())

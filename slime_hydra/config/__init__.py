@@ -2,6 +2,7 @@
 
     compose(overrides) -> DictConfig           Hydra composition of conf/ + recipes/ + sweeps/ (tests, tools)
     to_config(dictconfig) -> SlimeConfig       unknown/missing keys checked, then OmegaConf.to_object once
+    load_run_config(run_dir) -> SlimeConfig    what a run ran with (its resolved.yaml)
     validate(cfg) -> Derived                   every cross-key rule; raises ConfigError listing all problems
 """
 
@@ -23,7 +24,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = [
     "ConfigError", "Derived", "Problem", "SlimeConfig", "PROJECT_ROOT", "check_overrides", "collect_problems",
-    "compose", "derive", "register_configs", "to_config", "validate",
+    "compose", "derive", "load_run_config", "register_configs", "to_config", "validate",
 ]
 
 
@@ -38,6 +39,14 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     register_configs()
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base=None):
         return hydra_compose("config", overrides=list(overrides))
+
+
+def load_run_config(run_dir: str | Path) -> SlimeConfig:
+    """The typed config a run ran with, from its ``resolved.yaml`` (launch/run_dir.py writes it)."""
+    path = Path(run_dir) / "resolved.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no resolved.yaml)")
+    return to_config(OmegaConf.merge(OmegaConf.structured(SlimeConfig), OmegaConf.load(path)))
 
 
 def to_config(cfg: DictConfig) -> SlimeConfig:

@@ -75,6 +75,10 @@ class SlimeConfig:
     """The step waits only while the trainer ranks copy their state to host memory; a thread writes the files and
     ``latest`` moves at a later step boundary once all are on disk. Host RAM holds one more copy of the trainer's
     state (weights + Adam state, counted by the memory plan); false writes it while the step waits."""
+    export_at_end: bool = True
+    """A run that finishes writes its final policy as a Hugging Face checkpoint to <run_dir>/export/step_<N> (merged
+    weights in the starting checkpoint's dtype, config, tokenizer; with train.lora also its PEFT adapter in
+    adapter/); ``python -m slime_hydra.export RUN_DIR --step N`` writes one of any checkpoint."""
     stall_after_minutes: float = non_negative(30.0)
     """The stall doctor (stall.py): after this many minutes in which no step finished and no generation or reward
     finished, write every process's Python stacks to <run_dir>/stall/ and print what the run waits on; 0 disables."""

@@ -34,6 +34,24 @@ def load_tokenizer(path: str | Path):
 
 
 GENERIC_TOKENIZER = "PreTrainedTokenizerFast"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
+"""The files an HF checkpoint's tokenizer may consist of."""
+
+
+def copy_tokenizer(model_path: str | Path, out: str | Path) -> list[str]:
+    """Copy the tokenizer's files (TOKENIZER_FILES that ``model_path`` has) into ``out``, as they are (the tokenizer
+    never trains, and a copy is exact where a save_pretrained round trip may rename its class); returns their
+    names."""
+    import shutil
+
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(model_path) / name).is_file():
+            shutil.copyfile(Path(model_path) / name, Path(out) / name)
+            copied.append(name)
+    return copied
 
 
 def save_tokenizer(tokenizer, save_dir) -> None:

@@ -181,6 +181,8 @@ class EnginePool:
                     if self._unhealthy_checks[i] < UNHEALTHY_CHECKS:
                         continue
                     cause = f"GET /health failed {UNHEALTHY_CHECKS} checks in a row"
+                if i in self.down:  # found dead during the awaits above (a failed call): its restart runs already,
+                    continue        # and a second one would stop the first's fresh process under its replay
                 await self._take_out(i, cause)  # out of the router before the caller retries
                 self._restarts[i] = asyncio.ensure_future(self._restart(i))
                 dead.append(i)

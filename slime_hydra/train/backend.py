@@ -8,6 +8,7 @@ rank of the group, collectively), implemented by train=fsdp (train/fsdp.py) and 
     for hf_name, tensor in backend.iter_full_weights(): ...                  # weight sync, HF names, full tensors
     for key, tensor in backend.iter_adapter_weights(): ...                  # train.lora: A and B only (lora.py)
     backend.save(dir, background); backend.load(dir); backend.export_hf(dir)  # resumable checkpoint / HF export
+    backend.load(dir, weights_only=True)                                    # the parameters alone (export.py)
     backend.export_adapter(dir)                                              # train.lora: a PEFT adapter directory
     seconds = backend.save_finished(wait)                                   # None while a background write runs
     backend.start_offload(); backend.offload(); backend.onload()             # colocated GPUs (train/offload.py)
@@ -121,8 +122,10 @@ class TrainBackend(ComputeCopyBackend):
         they are on disk); else write them before returning. Either way a previous background write ends first."""
 
     @abstractmethod
-    def load(self, ckpt_dir: str | Path) -> None:
-        """Resume from ``save``'s checkpoint. Collective."""
+    def load(self, ckpt_dir: str | Path, weights_only: bool = False) -> None:
+        """Resume from ``save``'s checkpoint. Collective. ``weights_only``: the trained parameters alone (no optimizer,
+        scheduler, step, RNG or reference), for an export (export.py); the layout may then differ where the
+        parameters' shards do not (fsdp: any number of ranks; megatron: the same tp, pp and ep)."""
 
     @property
     def writer(self) -> CheckpointWriter:
@@ -135,6 +138,14 @@ class TrainBackend(ComputeCopyBackend):
         """Seconds the last background write took once every file this rank wrote is fsynced; None while it is
         still writing (``wait``: block until it ends). Raises the write's error."""
         return self.writer.finished(wait)
+
+
+def export_dtype(config) -> torch.dtype:
+    """The dtype an HF export is written in: the one the run's starting checkpoint declares in its config.json
+    (``dtype``, formerly ``torch_dtype``; a bf16 model comes out bf16, the rounding the engines' bf16 weights got
+    too), fp32 when it declares none. The trainer's fp32 masters are rounded once, at the write."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
 
 
 class StepMetrics:
@@ -190,13 +201,14 @@ NUMPY_ARRAY_GLOBALS = (np.zeros(0).__reduce__()[0], np.ndarray, np.dtype, type(n
 (wherever this numpy keeps it), the array and dtype classes. Numeric arrays only; nothing here runs other code."""
 
 
-def load_rank_file(path: str | Path, map_location=None) -> dict:
+def load_rank_file(path: str | Path, map_location=None, mmap: bool = False) -> dict:
     """A checkpoint file this trainer wrote with ``torch.save`` (tensors, optimizer state, ``rng_state``), loaded
     with ``weights_only=True``: no arbitrary pickle, so a tampered checkpoint cannot run code. The only globals
     allowed beyond torch's own are ``NUMPY_ARRAY_GLOBALS`` (added to torch's allowlist for this process:
-    ``add_safe_globals`` exists from torch 2.4, the ``safe_globals`` context only from 2.5)."""
+    ``add_safe_globals`` exists from torch 2.4, the ``safe_globals`` context only from 2.5). ``mmap``: tensors are
+    read from disk only when touched."""
     torch.serialization.add_safe_globals(list(NUMPY_ARRAY_GLOBALS))
-    return torch.load(path, map_location=map_location, weights_only=True)
+    return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
 def write_rank_file(state: dict, path: str | Path) -> None:

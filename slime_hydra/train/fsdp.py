@@ -52,7 +52,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -62,7 +63,8 @@ from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting
 from slime_hydra.train.packing import ATTENTION, pack, packed_logprobs, packed_values, register_attention
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.backend import (
-    LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options, load_rank_file, rng_state, set_rng_state, write_rank_file,
+    LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options, export_dtype, load_rank_file, rng_state,
+    set_rng_state, write_rank_file,
 )
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
@@ -265,7 +267,8 @@ class FSDPBackend(TrainBackend):
             yield name, full.detach()
 
     def export_hf(self, out_dir: str | Path) -> None:
-        """Write an HF checkpoint (config + safetensors) of the current weights; rank 0 writes. Collective."""
+        """Write an HF checkpoint (config + safetensors, in ``export_dtype``) of the current weights; rank 0 writes.
+        Collective."""
         if self.lora:
             state = {name: t.to("cpu") for name, t in self.iter_full_weights()}
         else:
@@ -277,7 +280,7 @@ class FSDPBackend(TrainBackend):
             net.load_state_dict(state, strict=False)
             if config.tie_word_embeddings:
                 net.tie_weights()
-            net.save_pretrained(out_dir, safe_serialization=True)
+            net.to(export_dtype(config)).save_pretrained(out_dir, safe_serialization=True)
         dist.barrier()
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
@@ -312,8 +315,13 @@ class FSDPBackend(TrainBackend):
                                 async_stager=self.writer)
         self.writer.start(ckpt_dir, upload.result, write_rest)
 
-    def load(self, ckpt_dir: str | Path) -> None:
+    def load(self, ckpt_dir: str | Path, weights_only: bool = False) -> None:
         ckpt_dir = Path(ckpt_dir)
+        if weights_only:  # DCP reshards: any number of ranks reads the model's entries alone
+            model_sd = self._state_dicts()[0]
+            dcp.load({"model": model_sd}, checkpoint_id=str(ckpt_dir / "dcp"))
+            set_model_state_dict(self.model, model_sd, options=self._state_options())
+            return
         meta = json.loads((ckpt_dir / "trainer.json").read_text())
         if meta["world"] != self.world:
             raise ValueError(f"checkpoint {ckpt_dir} was saved by {meta['world']} ranks, this run has {self.world}")

@@ -44,9 +44,27 @@ def train_rows(run: Path) -> list[dict]:
     return [m for m in metrics(run) if "rollout/raw_reward" in m]
 
 
-def test_default_loop_runs_syncs_and_checkpoints(tmp_path):
+def rollout_logprob_gap(model_dir: Path, rollout: Path) -> tuple[float, int]:
+    """(mean |logprob| gap, tokens compared) between an HF checkpoint loaded by plain transformers and the engine's
+    logprobs of every response token of a saved rollout (temperature 1, the tests' default)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gaps = []
+    for line in rollout.read_text().splitlines():
+        s = json.loads(line)
+        ids, n = torch.tensor([s["tokens"]]), s["response_length"]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+        gaps += (logp[-n:] - torch.tensor(s["rollout_log_probs"])).abs().tolist()
+    return sum(gaps) / len(gaps), len(gaps)
+
+
+def test_default_loop_runs_syncs_checkpoints_and_exports(tmp_path):
     out = launch(f"output_dir={tmp_path}", "run_name=r", "num_steps=3", "rollout.eval_every_steps=3",
                  "algo.kl_loss_coef=0.001",  # the tiny tuning drops the KL term; this test checks it
+                 "debug.save_rollouts=true",
                  "save_every_minutes=1e-6", "keep_checkpoints=2", *SHAPE)  # a save after every step, two kept
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "r"
@@ -68,6 +86,18 @@ def test_default_loop_runs_syncs_and_checkpoints(tmp_path):
     assert all(r["perf/checkpoint_time"] > 0 for r in rows)
     assert "done" in out.stdout
     assert json.loads((run / "run.json").read_text())["outcome"] == "done"
+
+    # the trained model comes out: the final policy as an HF checkpoint with the tokenizer, and any checkpoint through
+    # the export command; the policy of checkpoint 2 is the one that generated step 2's rollout, so plain
+    # transformers on its export reproduces the engine's logprobs of those tokens
+    final = run / "export" / "step_000003"
+    assert f"the trained model: {final}" in out.stdout
+    assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
+    export = subprocess.run([sys.executable, "-m", "slime_hydra.export", str(run), "--step", "2"], capture_output=True,
+                            text=True, timeout=300)
+    assert export.returncode == 0, export.stderr[-4000:]
+    gap, tokens = rollout_logprob_gap(run / "export" / "step_000002", run / "rollouts" / "step_000002.jsonl")
+    assert tokens >= 16 and gap < 1e-5
 
 
 def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):

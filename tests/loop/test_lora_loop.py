@@ -4,6 +4,8 @@ off) is 0 at step 0, the engine's logprobs match the trainer's after every sync,
 (in place) and by disk, where the engines take it through SGLang's LoRA protocol (/load_lora_adapter, lora_path on
 every /generate, /unload_lora_adapter of the one before): what SGLang servers are sent."""
 
+import json
+
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -35,6 +37,22 @@ def _tiny_sizes() -> dict[str, int]:
     return {"full": full, "adapter": 8 * per_layer * c.num_hidden_layers * 4, "layers": c.num_hidden_layers}
 
 
+def _exported_logits(export):
+    """Logits of a fixed token row under the merged export and under its base with the exported PEFT adapter (the
+    base: the run's starting checkpoint, from run.json)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = json.loads((export.parents[1] / "run.json").read_text())["model_path"]
+    ids = torch.tensor([[3, 17, 40, 22, 9, 61, 5, 12]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)(ids).logits
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                         export / "adapter")
+        return merged, peft(ids).logits
+
+
 @pytest.mark.parametrize("sync, transport", [("adapter", "auto"), ("adapter", "disk"), ("merged", "auto")])
 def test_lora_run_keeps_engine_and_trainer_together(tmp_path, sync, transport):
     run = tmp_path / "r"
@@ -53,6 +71,10 @@ def test_lora_run_keeps_engine_and_trainer_together(tmp_path, sync, transport):
         assert all(expected < r["sync/bytes"] < expected + 16384 for r in rows), [r["sync/bytes"] for r in rows]
     else:
         assert all(r["sync/bytes"] == expected for r in rows)
+    # the final policy comes out merged and as a PEFT adapter; the base plus the adapter is the merged model
+    final = run / "export" / "step_000003"
+    merged, adapted = _exported_logits(final)
+    assert (merged - adapted).abs().max() < 1e-5
     saved = FileSystemReader(str(run / "checkpoints" / "step_000003" / "actor" / "dcp")).read_metadata()
     model_keys = [k for k in saved.state_dict_metadata if k.startswith("model.")]
     assert len(model_keys) == 2 * 3 * sizes["layers"] and all(".lora_" in k for k in model_keys)

@@ -1,15 +1,16 @@
 """model=tiny_moe (Qwen3-MoE layers: 8 routed experts, 2 per token) end to end through launch.py, on train=fsdp
 (transformers' modeling, FSDP2 over the experts too) and train=megatron (megatron-core's MoE layer), with the
 embedded engine: the KL to the reference is 0 at step 0,
-the engine's logprobs match the trainer's after every sync (the dense gate), and the weight sync carries every
-expert. The megatron run replays the engine's routing (algo.routing_replay): every saved sample carries the experts
+the engine's logprobs match the trainer's after every sync (the dense gate), the weight sync carries every
+expert, and a checkpoint's HF export reproduces the engine's logprobs of the rollout its policy generated. The megatron run replays the engine's routing (algo.routing_replay): every saved sample carries the experts
 of each position the engine ran."""
 
 import json
 
 import pytest
 
-from tests.loop.test_loop import SMALL, launch, train_rows
+from slime_hydra.export import export_checkpoint
+from tests.loop.test_loop import SMALL, launch, rollout_logprob_gap, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,7 @@ def test_moe_run_keeps_engine_and_trainer_together(tmp_path, backend, replay):
 
     out = launch(f"output_dir={tmp_path}", "run_name=r", "model=tiny_moe", f"train={backend}", "num_steps=3",
                  "algo.kl_loss_coef=0.001", f"algo.routing_replay={str(replay).lower()}", "debug.save_rollouts=true",
-                 *SMALL)
+                 "save_every_steps=1", *SMALL)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = train_rows(tmp_path / "r")
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -48,3 +49,8 @@ def test_moe_run_keeps_engine_and_trainer_together(tmp_path, backend, replay):
             assert experts.shape[0] == len(sample["tokens"]) - 1 and (experts >= 0).all() and (experts < 8).all()
         else:
             assert sample["routed_experts"] == ""
+    # the trained MoE comes out of either backend's checkpoints: checkpoint 2's policy generated step 2's rollout
+    run = tmp_path / "r"
+    assert (run / "export" / "step_000003" / "model.safetensors").is_file()
+    gap, tokens = rollout_logprob_gap(export_checkpoint(run, step=2), run / "rollouts" / "step_000002.jsonl")
+    assert tokens >= 16 and gap < 1e-5

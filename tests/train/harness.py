@@ -68,18 +68,9 @@ def _entry(rank, world, port, fn, args, queue):
     os._exit(0)
 
 
-PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "transformers.models.qwen2.modeling_qwen2", "peft",
-           "megatron.core", "slime_hydra.train.fsdp", "slime_hydra.train.megatron.backend", "tests.train.harness"]
-"""What the fork server imports once per test session (multiprocessing's forkserver start method): every rank is
-then forked from it with these already imported, instead of a fresh interpreter importing torch, transformers and
-megatron-core for each rank (~10-20 s of CPU a rank on the 2-core machine). The server has started no threads and
-touched no device, which is what makes forking it safe."""
-
-
 def run_ranks(world: int, fn, *args):
     """[result of rank 0, ..., rank world-1] of fn(rank, world, *args) run under a fresh gloo group."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx = mp.get_context("forkserver")  # what it preloads: tests/conftest.py
     queue = ctx.SimpleQueue()
     procs = mp.start_processes(_entry, args=(world, free_port(), fn, args, queue), nprocs=world, join=False,
                                start_method="forkserver")

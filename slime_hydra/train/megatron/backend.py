@@ -117,7 +117,8 @@ from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, 
 from slime_hydra.train.megatron.moe import MoE
 from slime_hydra.train.megatron.pipeline import Pipeline
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from slime_hydra.train.backend import LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options
+from slime_hydra.train.backend import (LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options,
+                                      export_dtype)
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.optim import build_optimizer, clip_and_step, is_sharded
 
@@ -461,8 +462,8 @@ class MegatronBackend(TrainBackend):
         return self.lora.iter_full()
 
     def export_hf(self, out_dir: str | Path) -> None:
-        """Write an HF checkpoint (config + safetensors) of the current weights; rank 0 writes. Collective. The
-        critic exports as *ForTokenClassification with one label."""
+        """Write an HF checkpoint (config + safetensors, in ``export_dtype``) of the current weights; rank 0 writes.
+        Collective. The critic exports as *ForTokenClassification with one label."""
         if self.ep_size > 1 or (self.dp_rank == 0 and self.cp_rank == 0):  # one replica gathers (EP: all)
             state = {name: tensor.cpu() for name, tensor in self.iter_full_weights()}
             if dist.get_rank() == 0:
@@ -474,7 +475,7 @@ class MegatronBackend(TrainBackend):
                 net.load_state_dict(state, strict=True)
                 if self.hf_config.tie_word_embeddings and self.head == "lm":
                     net.tie_weights()
-                net.save_pretrained(out_dir, safe_serialization=True)
+                net.to(export_dtype(self.hf_config)).save_pretrained(out_dir, safe_serialization=True)
         dist.barrier()
 
     # ---- checkpoint -------------------------------------------------------------------------------------------
@@ -484,8 +485,8 @@ class MegatronBackend(TrainBackend):
         self._optimizer_state_ready()
         checkpoint.save(self, ckpt_dir, background)
 
-    def load(self, ckpt_dir: str | Path) -> None:
-        checkpoint.load(self, ckpt_dir)
+    def load(self, ckpt_dir: str | Path, weights_only: bool = False) -> None:
+        checkpoint.load(self, ckpt_dir, weights_only)
 
     # ---- reference swap ---------------------------------------------------------------------------------------
     def _local_shards(self) -> dict[str, torch.Tensor]:

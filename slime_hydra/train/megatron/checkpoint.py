@@ -71,18 +71,21 @@ def save(backend, ckpt_dir: str | Path, background: bool = False) -> None:
         dist.barrier()
 
 
-def load(backend, ckpt_dir: str | Path) -> None:
-    """Resume from ``save``'s checkpoint: parameters, optimizer, reference shards, scheduler, step, RNG."""
+def load(backend, ckpt_dir: str | Path, weights_only: bool = False) -> None:
+    """Resume from ``save``'s checkpoint: parameters, optimizer, reference shards, scheduler, step, RNG.
+    ``weights_only``: the parameters alone (an export), by any number of ranks with the saving run's tp, pp and ep
+    (DP and CP peers hold the same shards); the files are memory-mapped, so the optimizer state is never read."""
     from megatron.core import tensor_parallel
 
     ckpt_dir = Path(ckpt_dir)
     meta = json.loads((ckpt_dir / "trainer.json").read_text())
     saved = (meta["world"], meta["tp"], meta.get("pp", 1), meta.get("ep", 1))  # cp may differ (same shards)
-    if saved != (dist.get_world_size(), backend.tp_size, backend.pp_size, backend.ep_size):
+    here = (dist.get_world_size(), backend.tp_size, backend.pp_size, backend.ep_size)
+    if saved[1:] != here[1:] or (saved[0] != here[0] and not weights_only):
         raise ValueError(f"checkpoint {ckpt_dir} was saved by {saved[0]} ranks at tp={saved[1]} pp={saved[2]} "
                          f"ep={saved[3]}; this run has {dist.get_world_size()} ranks at tp={backend.tp_size} "
                          f"pp={backend.pp_size} ep={backend.ep_size}")
-    shards = load_rank_file(ckpt_dir / _slot_file(backend), map_location="cpu")
+    shards = load_rank_file(ckpt_dir / _slot_file(backend), map_location="cpu", mmap=weights_only)
     live = backend._local_shards()
     if set(shards["model"]) != set(live):  # e.g. saved with train.lora and loaded without, or another rank
         raise ValueError(f"checkpoint {ckpt_dir} holds {len(shards['model'])} trainable tensors, this run trains "
@@ -90,6 +93,8 @@ def load(backend, ckpt_dir: str | Path) -> None:
     with torch.no_grad():
         for name, tensor in shards["model"].items():
             live[name].copy_(tensor)
+    if weights_only:
+        return
     if backend.ep_size == 1:
         backend.optimizer.load_state_dict(shards["optim"])
     else:  # Partitioned: the dense part from the stage's shared file, the experts' from this EP rank's
