@@ -29,11 +29,6 @@ from typing import Optional
 from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, export_dir, find_resume
 from slime_hydra.model.hf import copy_tokenizer
 
-def export_layout(backend: str, tp: int, pp: int, ep: int) -> int:
-    """Processes the export runs: fsdp 1 (DCP reshards), megatron one per checkpoint slot (tp x pp x ep)."""
-    return 1 if backend == "fsdp" else tp * pp * ep
-
-
 def _export_rank(rank: int, world: int, port: int, backend_name: str, model_path: str, train, ckpt: str,
                  out: str) -> None:
     """One rank of the export: the run's backend on CPU, the checkpoint's parameters, then the HF (and adapter)
@@ -45,12 +40,12 @@ def _export_rank(rank: int, world: int, port: int, backend_name: str, model_path
     import torch.distributed as dist
 
     from slime_hydra.train.backend import init_distributed
-    from slime_hydra.train.group import BACKENDS
+    from slime_hydra.train.kinds import TRAIN_BACKEND_KINDS
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init_distributed(rank, world, master_port=port)
     try:
-        module, name = BACKENDS[backend_name].rsplit(".", 1)
+        module, name = TRAIN_BACKEND_KINDS[backend_name].cls.rsplit(".", 1)
         backend = getattr(importlib.import_module(module), name)(model_path, train, total_steps=1, device="cpu")
         backend.load(ckpt, weights_only=True)
         backend.export_hf(out)
@@ -67,6 +62,7 @@ def export_checkpoint(run_dir: str | Path, step: Optional[int] = None, out: Opti
 
     from slime_hydra.config import load_run_config
     from slime_hydra.net import free_port
+    from slime_hydra.train.kinds import TRAIN_BACKEND_KINDS
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
@@ -82,7 +78,7 @@ def export_checkpoint(run_dir: str | Path, step: Optional[int] = None, out: Opti
     out = Path(out) if out is not None else export_dir(run_dir, step)
     out.mkdir(parents=True, exist_ok=True)
     t = cfg.train
-    world = export_layout(t.backend, t.tp, t.pp, t.ep)
+    world = TRAIN_BACKEND_KINDS[t.backend].export_processes(t.tp, t.pp, t.ep)
     train = replace(t, num_gpus=world, cp=1, compile=False, cuda_graphs=False, gradient_checkpointing=False)
     # forkserver: ranks start from a fresh server process (no threads, no device), or, in a process that already
     # runs one with the backends imported (the tests'), at once

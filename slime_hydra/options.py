@@ -2,10 +2,11 @@
 
 Group schemas (``slime_hydra/<component>/config.py``) declare each field's domain where the field is written::
 
-    TRAIN_BACKENDS = ("fsdp", "megatron")            # the tuple the implementing code imports too
+    LR_DECAY_STYLES = ("constant", "linear", "cosine")   # the tuple the implementing code imports too
 
-    backend: str = choice("fsdp", TRAIN_BACKENDS)
-    \"\"\"fsdp (...) | megatron (...).\"\"\"
+    lr_decay_style: str = choice("constant", LR_DECAY_STYLES)
+    \"\"\"constant | linear | cosine.\"\"\"
+    backend: str = choice("fsdp", TRAIN_BACKEND_KINDS)  # a pluggable kind: its registry of records (train/kinds.py)
     num_gpus: int = positive(1)
     top_p: float = within(1.0, 0.0, 1.0, low_open=True)
 
@@ -73,14 +74,23 @@ def nearest(name: str, candidates: Iterable[str]) -> Optional[str]:
 class Choice:
     """The value is one of ``choices``."""
 
-    choices: tuple[str, ...]
+    choices: Sequence[str] | Mapping[str, Any]
+    """The valid values; a registry (a Mapping of name -> record) stays live: a kind registered later is a choice."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The valid values now, in order."""
+        return tuple(self.choices)
+
+    def __repr__(self) -> str:
+        return f"Choice{self.names}"
 
     def problem(self, key: str, value: Any) -> Optional[Problem]:
         if value in self.choices:
             return None
-        hint = nearest(str(value), self.choices)
-        fix = f"did you mean {key}={hint}?" if hint else f"choose one of: {', '.join(self.choices)}"
-        return Problem((key,), f"'{value}' is not one of {', '.join(self.choices)}", fix)
+        hint = nearest(str(value), self.names)
+        fix = f"did you mean {key}={hint}?" if hint else f"choose one of: {', '.join(self.names)}"
+        return Problem((key,), f"'{value}' is not one of {', '.join(self.names)}", fix)
 
 
 @dataclass(frozen=True)
@@ -129,9 +139,11 @@ def _as_fix(wanted: str) -> str:
 
 
 # ---- field helpers (what the schemas write) -----------------------------------------------------------------------
-def choice(default: Optional[str], choices: Sequence[str]) -> Any:
-    """A string option whose value is one of ``choices`` (the tuple the implementing code imports too)."""
-    return dataclasses.field(default=default, metadata={"domain": Choice(tuple(choices))})
+def choice(default: Optional[str], choices: Sequence[str] | Mapping[str, Any]) -> Any:
+    """A string option whose value is one of ``choices``: the tuple the implementing code imports too, or the
+    registry of a pluggable kind (name -> record; model/families.FAMILIES), read live."""
+    return dataclasses.field(default=default, metadata={"domain": Choice(choices if isinstance(choices, Mapping)
+                                                                         else tuple(choices))})
 
 
 def within(default: Any, low: Optional[float] = None, high: Optional[float] = None, *, low_open: bool = False,

@@ -18,6 +18,7 @@
 import math
 from dataclasses import dataclass
 
+from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.train.config import LoraConfig
 
@@ -57,28 +58,31 @@ class Derived:
 
 
 def resolve_weight_sync(weight_sync: str, colocate: bool, engine: str, lora_sync: str | None = None) -> str:
-    """train.weight_sync with ``auto`` resolved: colocated embedded engines take CUDA IPC handles (``tensor``),
-    colocated SGLang engines reload from disk (the handles are in the embedded engine's format, not SGLang's pickled
-    one), separate GPUs get an NCCL broadcast (``distributed``); SGLang engines given the LoRA adapter alone read it
-    from a directory (``disk``: /load_lora_adapter is their only way to take one that reaches across machines)."""
+    """train.weight_sync with ``auto`` resolved, as the engine kind's record says (rollout/engines/kinds.py):
+    colocated engines take their ``colocated_sync`` (embedded: CUDA IPC handles, ``tensor``; SGLang: a reload from
+    ``disk``, the handles being in the embedded engine's format), separate GPUs get an NCCL broadcast
+    (``distributed``); engines that take adapters only as directories (SGLang's /load_lora_adapter) read the LoRA
+    adapter alone from ``disk``."""
     if weight_sync == "auto":
-        if engine == "sglang" and lora_sync == "adapter":
+        kind = ENGINE_KINDS[engine]
+        if kind.adapters == "directory" and lora_sync == "adapter":
             return "disk"
-        return ("tensor" if engine == "embedded" else "disk") if colocate else "distributed"
+        return kind.colocated_sync if colocate else "distributed"
     return weight_sync
 
 
 def resolve_lora_sync(lora: LoraConfig, engine: str, colocate: bool) -> str | None:
     """train.lora.sync with ``auto`` resolved, to the cheaper path that is valid (docs/benchmarks.md, "LoRA on one
     H100"): engines on GPUs of their own get the adapter alone (18x fewer bytes than the whole 0.5B model over the
-    wire), if they apply adapters (embedded engines) and the adapter is all that trained (lora.bias=none);
+    wire), if they apply adapters in place (the kind's ``adapters`` is ``any``: embedded engines) and the adapter is
+    all that trained (lora.bias=none);
     colocated engines get merged weights (a device-to-device copy, and the engine then decodes the plain model:
     its rollout was 1.6-1.9 s a step against 2.0-2.6 s with run-time adapters); SGLang engines get merged weights.
     None when LoRA is off."""
     if not lora.enabled:
         return None
     if lora.sync == "auto":
-        return "adapter" if engine == "embedded" and lora.bias == "none" and not colocate else "merged"
+        return "adapter" if ENGINE_KINDS[engine].adapters == "any" and lora.bias == "none" and not colocate else "merged"
     return lora.sync
 
 

@@ -13,29 +13,8 @@ from typing import Iterator
 from slime_hydra.options import Problem
 from slime_hydra.config.schema import SlimeConfig
 
-# model option field -> HF config.json keys that may hold it (first present wins)
-HF_KEYS = {
-    "num_layers": ("num_hidden_layers",),
-    "hidden_size": ("hidden_size",),
-    "num_attention_heads": ("num_attention_heads",),
-    "num_kv_heads": ("num_key_value_heads",),
-    "ffn_hidden_size": ("intermediate_size",),
-    "vocab_size": ("vocab_size", "padded_vocab_size"),
-    "max_position_embeddings": ("max_position_embeddings",),
-    "num_experts": ("num_experts", "n_routed_experts"),
-    "moe_top_k": ("num_experts_per_tok",),
-    "moe_ffn_hidden_size": ("moe_intermediate_size",),
-    "moe_shared_experts": ("n_shared_experts",),
-    "first_dense_layers": ("first_k_dense_replace",),
-    "moe_groups": ("n_group",),
-    "moe_group_top_k": ("topk_group",),
-    "moe_routed_scaling": ("routed_scaling_factor",),
-    "q_lora_rank": ("q_lora_rank",),
-    "kv_lora_rank": ("kv_lora_rank",),
-    "qk_nope_head_dim": ("qk_nope_head_dim",),
-    "qk_rope_head_dim": ("qk_rope_head_dim",),
-    "v_head_dim": ("v_head_dim",),
-}
+NOT_COMPARED = ("tie_word_embeddings", "rope_theta")
+"""Fields the model options do not pin to their checkpoint's values (they only shape random-init builds)."""
 
 
 def check_files(cfg: SlimeConfig) -> Iterator[Problem]:
@@ -54,11 +33,15 @@ def check_files(cfg: SlimeConfig) -> Iterator[Problem]:
 
 
 def _compare_architecture(cfg: SlimeConfig, hf: dict) -> Iterator[Problem]:
+    """Every field the family's record maps to config.json (model/families.py, the mapping model/hf.py writes
+    configs with) against the checkpoint's value; a field the option leaves unset (or 0), or the checkpoint lacks,
+    is not compared, nor are ``NOT_COMPARED``."""
     hf = {**hf.get("text_config", {}), **hf}
-    for field, keys in HF_KEYS.items():
+    family = cfg.model.spec
+    for field in family.fields:
         ours = getattr(cfg.model, field)
-        theirs = next((hf[k] for k in keys if k in hf), None)
-        if theirs is None or not ours:
+        theirs = next((hf[k] for k in family.config_json_keys(field) if k in hf), None)
+        if theirs is None or not ours or field in NOT_COMPARED:
             continue
         if ours != theirs:
             yield Problem((f"model.{field}",),

@@ -56,6 +56,8 @@ from typing import Iterator, Optional
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.options import Problem
+from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
+from slime_hydra.train.kinds import TRAIN_BACKEND_KINDS
 from slime_hydra.rollout.engines.embedded import PREFILL_GRAPH_TOKENS, cache_capacity
 
 GiB = 2 ** 30
@@ -183,12 +185,10 @@ class MemoryPlan:
 def _tokens(cfg: SlimeConfig, d: Derived) -> tuple[int, int]:
     """(T, K): tokens of one micro-batch on a trainer rank, and the positions whose logits it computes."""
     t, context = cfg.train, d.context_tokens
-    if t.max_tokens_per_gpu:
-        tokens = t.max_tokens_per_gpu * (t.cp if t.backend == "megatron" else 1)
-    else:
-        tokens = t.micro_batch_samples * context
+    cp = t.cp if "cp" in TRAIN_BACKEND_KINDS[t.backend].parallelism else 1  # a rank holds 1 / cp of each sequence
+    tokens = t.max_tokens_per_gpu * cp if t.max_tokens_per_gpu else t.micro_batch_samples * context
     samples = max(tokens // max(context, 1), 1)
-    return tokens // (t.cp if t.backend == "megatron" else 1), samples * cfg.rollout.max_response_tokens
+    return tokens // cp, samples * cfg.rollout.max_response_tokens
 
 
 def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> Usage:
@@ -197,7 +197,7 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
     on_gpu = cfg.cluster.gpus_per_node > 0
     bf16 = on_gpu and t.dtype == "bf16"
     counts = param_counts(cfg)
-    megatron = t.backend == "megatron"
+    megatron = TRAIN_BACKEND_KINDS[t.backend].sharding == "model_parallel"
     layers = math.ceil(m.num_layers / t.pp) if megatron else m.num_layers
     if megatron:  # the busiest stage: its layers, the embedding (first) and the head (last), split over TP; the
         # routed experts over TP x EP, their Adam state over the DP x CP ranks that hold the same experts (/ EP);
@@ -255,7 +255,7 @@ def engine_usage(cfg: SlimeConfig, d: Derived) -> Usage:
     m, r = cfg.model, cfg.rollout
     usage = Usage("engine")
     counts = param_counts(cfg)
-    if r.backend == "sglang":
+    if ENGINE_KINDS[r.backend].memory == "fraction":
         fraction = float(r.sglang.get("mem_fraction_static") or 0.88)  # SGLang's default for large GPUs
         capacity = _gpu_capacity(cfg)
         if capacity is not None:  # SGLang takes this share of the GPU whatever the model needs
@@ -386,8 +386,8 @@ def _fixes(cfg: SlimeConfig, d: Derived, place: str) -> list[str]:
         candidates.append({"train.micro_batch_samples": 1})
         if not cfg.train.gradient_checkpointing and cfg.cluster.gpus_per_node > 0:
             candidates.append({"train.gradient_checkpointing": True, "train.micro_batch_samples": 1})
-    if cfg.rollout.backend == "embedded" and cfg.cluster.gpus_per_node > 0:
-        concurrency = cfg.rollout.max_concurrency_per_engine // 2
+    if ENGINE_KINDS[cfg.rollout.backend].memory == "measured" and cfg.cluster.gpus_per_node > 0:
+        concurrency = cfg.rollout.max_concurrency_per_engine // 2  # bounds its decode buffers and KV cache
         while concurrency >= 8:
             candidates.append({"rollout.max_concurrency_per_engine": concurrency})
             concurrency //= 2

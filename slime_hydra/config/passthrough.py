@@ -13,6 +13,8 @@ import typing
 from typing import Iterator, Optional
 
 from slime_hydra.options import Problem, nearest
+from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
+from slime_hydra.train.kinds import TRAIN_BACKEND_KINDS
 from slime_hydra.rollout.engines.sglang import check_sglang_names, value_problems
 
 MEGATRON_OWNED = {
@@ -109,11 +111,15 @@ def check_passthrough(cfg) -> Iterator[Problem]:
     yield from check_sglang_names(cfg.rollout.sglang)
     yield from value_problems(cfg.rollout.sglang)  # rendered the way the launcher renders them
     yield from megatron_problems(cfg.train.megatron, cfg.model.is_mla)
-    if cfg.rollout.sglang and cfg.rollout.backend != "sglang":
+    kind = ENGINE_KINDS.get(cfg.rollout.backend)
+    if cfg.rollout.sglang and kind is not None and kind.options_key != "rollout.sglang":
+        owner = next(k.name for k in ENGINE_KINDS.values() if k.options_key == "rollout.sglang")
         yield Problem(("rollout.sglang", "rollout.backend"),
                       f"SGLang options are set but rollout.backend={cfg.rollout.backend} would ignore them",
-                      "use rollout=sglang, or remove rollout.sglang")
-    if cfg.train.megatron and cfg.train.backend != "megatron":
+                      f"use rollout={owner}, or remove rollout.sglang")
+    backend = TRAIN_BACKEND_KINDS.get(cfg.train.backend)
+    if cfg.train.megatron and backend is not None and backend.options_key != "train.megatron":
+        owner = next(k.name for k in TRAIN_BACKEND_KINDS.values() if k.options_key == "train.megatron")
         yield Problem(("train.megatron", "train.backend"),
                       f"Megatron options are set but train.backend={cfg.train.backend} would ignore them",
-                      "use train=megatron, or remove train.megatron")
+                      f"use train={owner}, or remove train.megatron")

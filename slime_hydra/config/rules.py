@@ -13,15 +13,17 @@ from slime_hydra.algo.config import GROUP_ESTIMATORS
 from slime_hydra.data.config import MAX_LEVELS
 from slime_hydra.data.tasks import get_env
 from slime_hydra.reward.config import REWARD_NAMES
-from slime_hydra.model.config import FUSED_GATE_UP, GROUPED_ROUTER_FAMILIES, MEGATRON_FAMILIES, QKV_BIAS
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import memory_problems, plan_memory
 from slime_hydra.config.passthrough import check_passthrough
 from slime_hydra.config.plugins import check_plugins
 from slime_hydra.config.schema import SlimeConfig
+from slime_hydra.dotted import import_callable
+from slime_hydra.model.families import FAMILIES
+from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
 from slime_hydra.options import ConfigError, Problem, counts_hold, domain_problems
-from slime_hydra.train.config import (gate_up_problem, megatron_lora_problems, megatron_moe_problems,
-                                      megatron_packing_problem)
+from slime_hydra.train.config import gate_up_problem
+from slime_hydra.train.kinds import PARALLEL_DIMS, TRAIN_BACKEND_KINDS
 
 
 def check_layout(cfg: SlimeConfig) -> Iterator[Problem]:
@@ -38,40 +40,35 @@ def check_layout(cfg: SlimeConfig) -> Iterator[Problem]:
 def check_backend(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     """What a trainer backend would refuse when it starts, refused here instead (no job dies after its allocation)."""
     t, m = cfg.train, cfg.model
-    if t.backend == "megatron":
-        if m.family not in MEGATRON_FAMILIES:
-            yield Problem(("train.backend", "model.family"),
-                          f"train=megatron converts {', '.join(MEGATRON_FAMILIES)} checkpoints, not {m.family}",
-                          "use train=fsdp (transformers' modeling)")
-        yield from megatron_moe_problems(t, m.num_experts)
-        yield from _megatron_router_problems(cfg)
-        if m.vocab_size % t.tp:
-            yield Problem(("train.tp", "model.vocab_size"),
-                          f"the vocabulary ({m.vocab_size} rows) is split over TP ranks: not divisible by "
-                          f"train.tp={t.tp}", f"choose train.tp among {_divisors(m.vocab_size)[:8]}")
-        if t.gradient_checkpointing and cfg.cluster.gpus_per_node == 0:
-            yield Problem(("train.gradient_checkpointing", "cluster.gpus_per_node"),
-                          "megatron's activation recompute saves CUDA RNG states, and this is a CPU-only cluster",
-                          "set train.gradient_checkpointing=false")
-    elif t.ep > 1:
-        yield Problem(("train.ep", "train.backend"), f"train=fsdp has no expert parallelism (ep={t.ep})",
-                      "set train.ep=1")
-
-
-def _megatron_router_problems(cfg: SlimeConfig) -> Iterator[Problem]:
-    """The grouped router's settings megatron's TopKRouter computes differently from transformers (train/megatron/
-    model.py, which refuses them again at construction from the checkpoint's config)."""
-    m = cfg.model
-    if m.family not in GROUPED_ROUTER_FAMILIES or not m.is_moe or m.moe_group_top_k < 1:
-        return
-    if m.moe_top_k == 1:
-        yield Problem(("model.moe_top_k", "train.backend"), "one expert per token: transformers renormalises its "
-                      "weight to 1, megatron keeps the raw sigmoid score", "use train=fsdp for this model")
-    if m.moe_group_top_k < m.moe_groups and m.moe_top_k // m.moe_group_top_k != 2:
-        yield Problem(("model.moe_groups", "model.moe_group_top_k", "model.moe_top_k", "train.backend"),
-                      f"group-limited routing with moe_top_k={m.moe_top_k} over moe_group_top_k={m.moe_group_top_k}: "
-                      f"megatron scores a group by its best {m.moe_top_k // m.moe_group_top_k} experts, "
-                      "transformers by its best 2", "use train=fsdp for this model")
+    if t.backend not in m.spec.backends:
+        yield Problem(("train.backend", "model.family"), f"train={t.backend} does not train model.family={m.family} "
+                      f"(its record, model/families.py, lists {', '.join(m.spec.backends)})",
+                      f"use train={m.spec.backends[0]}")
+    if cfg.rollout.backend not in m.spec.engines:
+        yield Problem(("rollout.backend", "model.family"), f"rollout={cfg.rollout.backend} does not serve "
+                      f"model.family={m.family} (its record, model/families.py, lists {', '.join(m.spec.engines)})",
+                      f"use rollout={m.spec.engines[0]}")
+    kind = TRAIN_BACKEND_KINDS[t.backend]
+    unsplit = [dim for dim in PARALLEL_DIMS if getattr(t, dim) > 1 and dim not in kind.parallelism]
+    if unsplit:
+        splitting = [k.name for k in TRAIN_BACKEND_KINDS.values() if set(unsplit) <= set(k.parallelism)]
+        yield Problem(("train.backend", *(f"train.{dim}" for dim in unsplit)),
+                      f"train={t.backend} does not split a model replica by "
+                      f"{', '.join(f'{dim}={getattr(t, dim)}' for dim in unsplit)} (it parallelises "
+                      f"{'by ' + ', '.join(kind.parallelism) if kind.parallelism else 'over data only'})",
+                      (f"use train={splitting[0]}, or " if splitting else "") + " ".join(f"set train.{dim}=1"
+                                                                                          for dim in unsplit))
+    wanted = (("packing", t.pack_sequences, "train.pack_sequences=true", "set train.pack_sequences=false"),
+              ("lora", t.lora.rank > 0, f"train.lora.rank={t.lora.rank}", "set train.lora.rank=0"),
+              ("moe", cfg.model.spec.moe, f"model.family={cfg.model.family} (mixture of experts)", None))
+    for feature, used, setting, fix in wanted:
+        if used and not getattr(kind, feature):
+            able = [k.name for k in TRAIN_BACKEND_KINDS.values() if getattr(k, feature)]
+            yield Problem(("train.backend", setting.split("=")[0]), f"train={t.backend} does not train with {setting} "
+                          f"(its record, train/kinds.py, has {feature}=False)",
+                          ", or ".join([f"use train={able[0]}"] * bool(able) + [fix] * bool(fix)))
+    if kind.rules is not None:
+        yield from import_callable(kind.rules, "train backend rules", "fn(cfg, derived)")(cfg, d)
 
 
 def check_batch(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -105,27 +102,14 @@ def check_batch(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
 
 def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     t, m = cfg.train, cfg.model
-    if t.backend == "fsdp" and t.model_parallel_size > 1:
-        yield Problem(("train.backend", "train.tp", "train.pp", "train.cp"),
-                      f"train=fsdp is data parallel only, but tp={t.tp} pp={t.pp} cp={t.cp}",
-                      "use train=megatron for tensor, pipeline or context parallelism, or set train.tp=1 "
-                      "train.pp=1 train.cp=1")
-    if t.backend == "megatron" and (problem := megatron_packing_problem(t, m.is_mla)):
-        yield problem
     if m.num_attention_heads % t.tp:
         yield Problem(("train.tp", "model.num_attention_heads"),
                       f"model.num_attention_heads={m.num_attention_heads} is not divisible by train.tp={t.tp}",
-                      f"choose train.tp among {_divisors(m.num_attention_heads)}")
+                      f"choose train.tp among {divisors(m.num_attention_heads)}")
     if m.num_kv_heads % t.tp:
         yield Problem(("train.tp", "model.num_kv_heads"),
                       f"model.num_kv_heads={m.num_kv_heads} is not divisible by train.tp={t.tp}",
-                      f"choose train.tp among {_divisors(m.num_kv_heads)}")
-    if m.is_mla and t.backend == "megatron":  # megatron splits the latent down projections' rows over TP
-        for key, rows in (("q_lora_rank", m.q_lora_rank),
-                          ("kv_lora_rank", (m.kv_lora_rank or 0) + (m.qk_rope_head_dim or 0))):
-            if rows and rows % t.tp:
-                yield Problem(("train.tp", f"model.{key}"), f"multi-latent attention's {key} projection has "
-                              f"{rows} rows, not divisible by train.tp={t.tp}", f"choose train.tp among {_divisors(rows)}")
+                      f"choose train.tp among {divisors(m.num_kv_heads)}")
     # Megatron's uneven pipeline: the first/last stage may hold a given number of layers, the rest split evenly.
     uneven = {k: t.megatron[k] for k in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
               if isinstance(t.megatron.get(k), int)}
@@ -138,7 +122,7 @@ def check_parallelism(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
         else:
             yield Problem(("train.pp", "model.num_layers"),
                           f"model.num_layers={m.num_layers} is not divisible by train.pp={t.pp}",
-                          f"choose train.pp among {_divisors(m.num_layers)}, or give the first/last stage its own "
+                          f"choose train.pp among {divisors(m.num_layers)}, or give the first/last stage its own "
                           "count (train.megatron.num_layers_in_first_pipeline_stage)")
 
 
@@ -156,16 +140,18 @@ def check_rollout(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
         yield Problem(("rollout.gpus_per_engine", "model.num_attention_heads"),
                       f"engine TP (rollout.gpus_per_engine={r.gpus_per_engine}) does not divide "
                       f"model.num_attention_heads={m.num_attention_heads}",
-                      f"choose rollout.gpus_per_engine among {_divisors(m.num_attention_heads)}")
-    if r.backend == "sglang" and cfg.train.weight_sync == "tensor":
+                      f"choose rollout.gpus_per_engine among {divisors(m.num_attention_heads)}")
+    kind = ENGINE_KINDS[r.backend]
+    if cfg.train.weight_sync != "auto" and cfg.train.weight_sync not in kind.weight_syncs:
         yield Problem(("train.weight_sync", "rollout.backend"),
-                      "weight_sync=tensor sends CUDA IPC handles in the embedded engine's format, which SGLang "
-                      "servers do not read",
-                      "set train.weight_sync=disk (or auto) for colocated SGLang engines")
-    if r.backend == "sglang" and cfg.cluster.gpus_per_node == 0:
+                      f"rollout={r.backend} engines take weights by {' or '.join(kind.weight_syncs)}, not "
+                      f"train.weight_sync={cfg.train.weight_sync} (rollout/engines/kinds.py)",
+                      f"set train.weight_sync={kind.weight_syncs[-1]} (or auto)")
+    if kind.needs_gpu and cfg.cluster.gpus_per_node == 0:
+        cpu_kinds = [k.name for k in ENGINE_KINDS.values() if not k.needs_gpu]
         yield Problem(("rollout.backend", "cluster.gpus_per_node"),
-                      "rollout=sglang needs GPUs but the cluster has cluster.gpus_per_node=0",
-                      "use rollout=embedded on a CPU machine, or a GPU cluster option (cluster=slurm_8xh100)")
+                      f"rollout={r.backend} needs GPUs but the cluster has cluster.gpus_per_node=0",
+                      f"use rollout={cpu_kinds[0]} on a CPU machine, or a GPU cluster option (cluster=slurm_8xh100)")
 
 
 def check_placement(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -248,17 +234,12 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     if a.routing_replay and not cfg.model.is_moe:
         yield Problem(("algo.routing_replay", "model.num_experts"), f"routing replay replays the experts a MoE "
                       f"model's routers chose; model={cfg.model.name} is dense", "set algo.routing_replay=false")
-    t = cfg.train
-    if a.routing_replay and t.backend == "megatron" and t.pp > 1 and t.gradient_checkpointing:
-        yield Problem(("algo.routing_replay", "train.gradient_checkpointing", "train.pp"), "megatron's activation "
-                      "recompute routes again in the backward, and with train.pp > 1 a stage's backward of micro-batch "
-                      "k runs after later micro-batches' forwards set the routers' replayed experts (not built: "
-                      "setting them back before each backward)", "set train.gradient_checkpointing=false, or "
-                      "train.pp=1")
-    if a.routing_replay and cfg.rollout.backend == "sglang":
-        yield Problem(("algo.routing_replay", "rollout.backend"), "sglang-router 0.3.2 drops return_routed_experts "
-                      "from the /generate bodies it forwards, so SGLang servers behind it would report no routed "
-                      "experts", "use rollout=embedded, or set algo.routing_replay=false")
+    if a.routing_replay and not ENGINE_KINDS[cfg.rollout.backend].routed_experts:
+        yield Problem(("algo.routing_replay", "rollout.backend"), f"rollout={cfg.rollout.backend} engines report no "
+                      "routed experts through the router (sglang-router 0.3.2 drops return_routed_experts from the "
+                      "/generate bodies it forwards)", f"use rollout="
+                      f"{next(k.name for k in ENGINE_KINDS.values() if k.routed_experts)}, or set "
+                      "algo.routing_replay=false")
 
 
 def check_lora(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -266,7 +247,7 @@ def check_lora(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     lora, t = cfg.train.lora, cfg.train
     if not lora.enabled:
         return
-    if cfg.model.family in FUSED_GATE_UP and {"gate_proj", "up_proj"} & set(lora.target_modules):
+    if cfg.model.spec.fused_gate_up and {"gate_proj", "up_proj"} & set(lora.target_modules):
         yield gate_up_problem()
     mlp = sorted({"gate_proj", "up_proj", "down_proj"} & set(lora.target_modules))
     if cfg.model.is_moe and mlp:
@@ -279,27 +260,17 @@ def check_lora(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"model.family={cfg.model.family} has multi-latent attention (q_a_proj, q_b_proj, "
                       "kv_a_proj_with_mqa, kv_b_proj), no q/k/v_proj for PEFT to adapt",
                       "adapt its output projection: train.lora.target_modules=[o_proj]")
-    if t.backend == "megatron" and cfg.model.is_mla:
-        yield Problem(("train.lora.rank", "train.backend"), "LoRA on multi-latent attention is not built for "
-                      "train=megatron", "use train=fsdp, or train.lora.rank=0")
-    elif t.backend == "megatron":
-        yield from megatron_lora_problems(lora, t.tp, cfg.model.num_kv_heads, False,
-                                          cfg.model.family in QKV_BIAS, t.megatron)
     if d.lora_sync != "adapter":
         return
-    if cfg.rollout.backend == "sglang" and d.weight_sync != "disk":
+    if ENGINE_KINDS[cfg.rollout.backend].adapters == "directory" and d.weight_sync != "disk":
         yield Problem(("train.lora.sync", "train.weight_sync", "rollout.backend"),
-                      f"train.lora.sync=adapter gives SGLang engines the adapter as a directory they load "
-                      f"(/load_lora_adapter), and train.weight_sync={cfg.train.weight_sync} sends tensors",
+                      f"train.lora.sync=adapter gives rollout={cfg.rollout.backend} engines the adapter as a directory "
+                      f"they load (/load_lora_adapter), and train.weight_sync={cfg.train.weight_sync} sends tensors",
                       "set train.weight_sync=disk (or auto), or train.lora.sync=merged")
     if lora.bias != "none":
         yield Problem(("train.lora.sync", "train.lora.bias"),
                       f"train.lora.bias={lora.bias} trains biases, which the adapter alone does not carry to the "
                       "engines", "set train.lora.sync=merged (or auto), or train.lora.bias=none")
-
-
-CALCULATOR_GENERATE = "slime_hydra.rollout.tools.calculator_generate"
-"""The generate hook the calculator task needs (rollout/tools.py)."""
 
 
 def check_tasks(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -323,10 +294,12 @@ def check_tasks(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
             yield Problem(("reward.name", "data.task"),
                           f"reward={reward} cannot grade {t} (its own checker does: data/tasks/{t}.py)",
                           "set reward=task")
-    if "calculator" in envs and cfg.rollout.generate is None:
+    hooks = [(t, get_env(t).generate_hook) for t in envs if get_env(t).generate_hook is not None]
+    if hooks and cfg.rollout.generate is None:
+        task, hook = hooks[0]
         yield Problem(("rollout.generate", "data.task"),
-                      "the calculator task is multi-turn: the model calls the calculator tool, which the default "
-                      "generate does not run", f"set rollout.generate={CALCULATOR_GENERATE}")
+                      f"the {task} task is multi-turn: the model calls a tool, which the default generate does not run",
+                      f"set rollout.generate={hook}")
 
 
 def check_memory(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -334,13 +307,13 @@ def check_memory(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     yield from memory_problems(cfg, d, plan_memory(cfg, d))
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def _divisor_near(n: int, target: int) -> int:
     """The divisor of n closest to target (ties go to the smaller one)."""
-    return min(_divisors(n), key=lambda k: (abs(k - target), k))
+    return min(divisors(n), key=lambda k: (abs(k - target), k))
 
 
 RULES: tuple[Callable[[SlimeConfig, Derived], Iterator[Problem]], ...] = (
@@ -352,7 +325,9 @@ RULES: tuple[Callable[[SlimeConfig, Derived], Iterator[Problem]], ...] = (
 def collect_problems(cfg: SlimeConfig) -> tuple[list[Problem], Derived | None]:
     """Every problem of the config, and the derived values when the counts allow computing them."""
     problems = [*domain_problems(cfg), *check_passthrough(cfg), *check_plugins(cfg)]
-    if not counts_hold(cfg):  # the cross-group rules divide by the counts
+    known = (cfg.model.family in FAMILIES and cfg.train.backend in TRAIN_BACKEND_KINDS
+             and cfg.rollout.backend in ENGINE_KINDS)  # an unknown kind is a domain problem already
+    if not counts_hold(cfg) or not known:  # the rules divide by the counts and ask the kinds' records
         return problems, None
     layout = list(check_layout(cfg))
     if layout:  # ... and by dp

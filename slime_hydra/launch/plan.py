@@ -7,6 +7,8 @@ from rich.table import Table
 
 from slime_hydra.config.derive import Derived, gpu_hours_for
 from slime_hydra.config.memory import plan_memory
+from slime_hydra.dotted import import_callable
+from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
 from slime_hydra.config.schema import SlimeConfig
 
 
@@ -74,11 +76,10 @@ def print_plan(cfg: SlimeConfig, d: Derived, run_dir: Path, console: Console) ->
     console.print("Memory plan (estimates, config/memory.py):", markup=False, highlight=False)
     for line in plan_memory(cfg, d).lines():
         console.print(f"  {line}", markup=False, highlight=False)
-    if cfg.rollout.backend == "sglang" and cfg.debug.mode != "train_only":
-        from slime_hydra.rollout.engines.sglang import engine_commands
-
-        console.rule("SGLang engine commands (host and ports are picked at start)")
-        for line in engine_commands(cfg, d):
+    kind = ENGINE_KINDS[cfg.rollout.backend]
+    if kind.commands is not None and cfg.debug.mode != "train_only":
+        console.rule(f"{kind.name} engine commands (host and ports are picked at start)")
+        for line in import_callable(kind.commands, "engine kind commands", "fn(cfg, derived)")(cfg, d):
             console.print(line, markup=False, highlight=False)
     if cfg.cluster.scheduler == "slurm":
         from slime_hydra.launch.slurm import render_sbatch

@@ -6,7 +6,8 @@ import sys
 
 from slime_hydra.config import collect_problems, compose, to_config
 from slime_hydra.options import ConfigError, Problem
-from slime_hydra.rollout.engines.sglang import engine_commands
+from slime_hydra.dotted import import_callable
+from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,10 +18,13 @@ def main(argv: list[str] | None = None) -> int:
         problems, derived = collect_problems(cfg)
         if problems:
             raise ConfigError(problems)
-        if cfg.rollout.backend != "sglang":
-            raise ConfigError([Problem(("rollout.backend",), f"rollout.backend={cfg.rollout.backend} starts no "
-                                       "SGLang servers", "add rollout=sglang")])
-        lines = engine_commands(cfg, derived)
+        kind = ENGINE_KINDS[cfg.rollout.backend]
+        if kind.commands is None:
+            with_commands = [k.name for k in ENGINE_KINDS.values() if k.commands is not None]
+            raise ConfigError([Problem(("rollout.backend",), f"rollout.backend={cfg.rollout.backend} has no server "
+                                       "command line to print (its engines start inside their actors)",
+                                       f"add rollout={with_commands[0]}")])
+        lines = import_callable(kind.commands, "engine kind commands", "fn(cfg, derived)")(cfg, derived)
     except ConfigError as error:
         print(f"slime_hydra: {error}", file=sys.stderr)
         return ConfigError.exit_code

@@ -10,29 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from slime_hydra.model.families import FAMILIES, Family
 from slime_hydra.options import Problem, choice, non_negative, positive
-
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4", "glm4_moe", "deepseek_v3")
-"""model.family: the architectures the model options describe."""
-DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
-"""The dense families (model/hf.py builds random-init models of them)."""
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
-"""The mixture-of-experts families (model.num_experts > 0); model/hf.py builds random-init models of each."""
-GROUPED_ROUTER_FAMILIES = ("glm4_moe", "deepseek_v3")
-"""MoE families with DeepSeek's router and layer layout: sigmoid scores plus a fixed correction bias choose the
-experts (group-limited: model.moe_groups, moe_group_top_k), the chosen scores renormalised and scaled by
-model.moe_routed_scaling, shared experts (model.moe_shared_experts) and dense first layers
-(model.first_dense_layers)."""
-MLA_FAMILIES = ("deepseek_v3",)
-"""Families with multi-latent attention (model.q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-v_head_dim)."""
-MEGATRON_FAMILIES = (*DENSE_FAMILIES, "qwen3_moe", "glm4_moe", "deepseek_v3")
-"""The families train=megatron converts (train/megatron/model.FAMILIES)."""
-
-FUSED_GATE_UP = ("glm4",)
-"""Families whose HF MLP holds gate and up as one ``gate_up_proj`` (train.lora cannot name gate_proj / up_proj)."""
-QKV_BIAS = ("qwen2",)
-"""Families whose q/k/v projections always carry a bias (GLM-4's follow its config's add_qkv_bias)."""
 
 CHAR_VOCAB = 101
 """Tokens of the character tokenizer (model/tiny.py)."""
@@ -45,8 +24,8 @@ class ModelConfig:
     name: str = "tiny"
     """Short name used in run names and logs (the conf/model option name)."""
     family: str = choice("qwen2", FAMILIES)
-    """Architecture family: qwen2 | qwen3 | qwen3_moe | llama | glm4 | glm4_moe | deepseek_v3 (selects the
-    HF<->Megatron mapping)."""
+    """Architecture family: qwen2 | qwen3 | qwen3_moe | llama | glm4 | glm4_moe | deepseek_v3 (its record in
+    model/families.py: config.json fields, layout, the backends and engines that run it)."""
     path: Optional[str] = None
     """HF checkpoint directory (config.json, tokenizer, safetensors); null builds the tiny model offline (tiny only)."""
     num_layers: int = positive(4)
@@ -123,9 +102,14 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     @property
+    def spec(self) -> Family:
+        """The family's record (model/families.py); a family that is not registered is a domain problem."""
+        return FAMILIES[self.family]
+
+    @property
     def is_mla(self) -> bool:
-        """Multi-latent attention (MLA_FAMILIES)."""
-        return self.family in MLA_FAMILIES
+        """Multi-latent attention (the family's ``latent_attention``)."""
+        return self.family in FAMILIES and self.spec.latent_attention
 
     @property
     def is_moe(self) -> bool:
@@ -146,6 +130,8 @@ class ModelConfig:
         if self.path is None and self.tokenizer == "char" and self.vocab_size < CHAR_VOCAB:
             yield Problem((f"{prefix}vocab_size",), f"the character tokenizer has {CHAR_VOCAB} tokens, more than "
                           f"vocab_size={self.vocab_size}", f"set {prefix}vocab_size={CHAR_VOCAB} or more")
+        if self.family not in FAMILIES:  # the domain names it; the family's own rules need its record
+            return
         yield from self._moe_problems(prefix)
         yield from self._mla_problems(prefix)
         if self.num_kv_heads > 0 and self.num_attention_heads % self.num_kv_heads:
@@ -156,14 +142,15 @@ class ModelConfig:
     def _moe_problems(self, prefix: str) -> Iterator[Problem]:
         """The expert numbers agree with each other and with the family."""
         moe_keys = (f"{prefix}num_experts", f"{prefix}moe_top_k", f"{prefix}moe_ffn_hidden_size")
-        if self.family in MOE_FAMILIES and not self.is_moe:
+        moe_families = ", ".join(name for name, f in FAMILIES.items() if f.moe)
+        if self.spec.moe and not self.is_moe:
             yield Problem((f"{prefix}num_experts", f"{prefix}family"), f"family={self.family} is a mixture of experts "
                           "but num_experts=0", "set num_experts, moe_top_k and moe_ffn_hidden_size from its config.json")
-        elif self.family not in MOE_FAMILIES and (self.is_moe or self.moe_top_k or self.moe_ffn_hidden_size):
+        elif not self.spec.moe and (self.is_moe or self.moe_top_k or self.moe_ffn_hidden_size):
             yield Problem((*moe_keys, f"{prefix}family"), f"family={self.family} is dense; the expert options "
                           f"(num_experts={self.num_experts}, moe_top_k={self.moe_top_k}, "
                           f"moe_ffn_hidden_size={self.moe_ffn_hidden_size}) describe no layer of it",
-                          f"remove them, or set {prefix}family to one of {', '.join(MOE_FAMILIES)}")
+                          f"remove them, or set {prefix}family to one of {moe_families}")
         elif self.is_moe and (self.moe_top_k == 0 or self.moe_ffn_hidden_size is None):
             yield Problem(moe_keys, f"num_experts={self.num_experts} needs moe_top_k (experts per token) and "
                           f"moe_ffn_hidden_size (one expert's width); got {self.moe_top_k} and "
@@ -183,7 +170,8 @@ class ModelConfig:
             if set_:
                 yield Problem(tuple(f"{prefix}{n}" for n in set_) + (f"{prefix}family",),
                               f"family={self.family} has no multi-latent attention; {', '.join(set_)} describe none "
-                              "of its layers", f"remove them, or set {prefix}family to one of {', '.join(MLA_FAMILIES)}")
+                              "of its layers", f"remove them, or set {prefix}family to one of "
+                              f"{', '.join(name for name, f in FAMILIES.items() if f.latent_attention)}")
             return
         missing = [n for n in names[1:] if getattr(self, n) is None]
         if missing:
@@ -203,18 +191,19 @@ class ModelConfig:
                           f"set {prefix}num_kv_heads={self.num_attention_heads}")
 
     def _router_problems(self, prefix: str) -> Iterator[Problem]:
-        """DeepSeek's router and layer layout (GROUPED_ROUTER_FAMILIES): groups that split the experts evenly, enough
+        """DeepSeek's router and layer layout (a family's ``grouped_router``): groups that split the experts evenly, enough
         experts in the chosen groups, dense first layers that leave MoE layers; other families leave the fields at
         their defaults."""
         keys = {"moe_shared_experts": 0, "first_dense_layers": 0, "moe_groups": 1, "moe_group_top_k": 1,
                 "moe_routed_scaling": 1.0}
-        if self.family not in GROUPED_ROUTER_FAMILIES:
+        if not self.spec.grouped_router:
             set_ = {k: getattr(self, k) for k, default in keys.items() if getattr(self, k) != default}
             if set_:
                 yield Problem(tuple(f"{prefix}{k}" for k in set_) + (f"{prefix}family",),
                               f"family={self.family} has no shared experts, dense first layers or grouped router; "
                               f"{', '.join(f'{k}={v}' for k, v in set_.items())} describe no layer of it",
-                              f"remove them, or set {prefix}family to one of {', '.join(GROUPED_ROUTER_FAMILIES)}")
+                              f"remove them, or set {prefix}family to one of "
+                              f"{', '.join(name for name, f in FAMILIES.items() if f.grouped_router)}")
             return
         groups, chosen, experts = self.moe_groups, self.moe_group_top_k, self.num_experts
         if self.first_dense_layers >= self.num_layers:

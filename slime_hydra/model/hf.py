@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from slime_hydra.model.config import GROUPED_ROUTER_FAMILIES, ModelConfig
+from slime_hydra.model.config import ModelConfig
+from slime_hydra.model.families import NULL_IS_A_VALUE
 
 if TYPE_CHECKING:  # torch and transformers' model classes are imported where used: a process that only loads a
     import torch   # tokenizer (the driver, the rollout manager) saves ~5 s of CPU of importing them
@@ -64,44 +65,18 @@ def save_tokenizer(tokenizer, save_dir) -> None:
 
 
 def hf_config(model: ModelConfig, **overrides) -> "PretrainedConfig":
-    """The transformers config of this architecture: the dense families; Qwen3-MoE (every layer sparse, top-k weights
-    renormalised, no shared expert); GLM-4.5 (glm4_moe: GLM-4.5-Air's attention, q/k/v biases, no q/k norm, RoPE on
-    half of each head; the sigmoid router with DeepSeek's groups, scaling, shared experts and dense first layers of
-    the model option); DeepSeek-V3 (the same router and layout, multi-latent attention of the option's widths,
-    transformers' default interleaved RoPE layout, no rope scaling)."""
-    from transformers import (DeepseekV3Config, Glm4Config, Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    """The transformers config of this model option, as its family's record (model/families.py) writes one: every
+    field of ``Family.fields`` that the option sets (null ones left to transformers' default unless
+    ``NULL_IS_A_VALUE``), then the family's
+    fixed values (Qwen3-MoE: every layer sparse, top-k weights renormalised, no shared expert; GLM-4.5: q/k/v biases,
+    no q/k norm; the grouped router renormalises its top-k), then ``overrides``. DeepSeek-V3 gets transformers'
+    default interleaved RoPE layout and no rope scaling."""
+    import transformers
 
-    common = dict(
-        num_hidden_layers=model.num_layers, hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_kv_heads,
-        intermediate_size=model.ffn_hidden_size, vocab_size=model.vocab_size,
-        max_position_embeddings=model.max_position_embeddings, tie_word_embeddings=model.tie_word_embeddings,
-        rope_theta=model.rope_theta,
-    )
-    if model.head_dim is not None:
-        common["head_dim"] = model.head_dim
-    classes = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "glm4": Glm4Config,
-               "qwen3_moe": Qwen3MoeConfig, "glm4_moe": Glm4MoeConfig, "deepseek_v3": DeepseekV3Config}
-    if model.family == "qwen3_moe":
-        common.update(num_experts=model.num_experts, num_experts_per_tok=model.moe_top_k,
-                      moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=True, decoder_sparse_step=1,
-                      mlp_only_layers=[])
-    if model.family in GROUPED_ROUTER_FAMILIES:
-        common.update(n_routed_experts=model.num_experts, num_experts_per_tok=model.moe_top_k,
-                      moe_intermediate_size=model.moe_ffn_hidden_size, n_shared_experts=model.moe_shared_experts,
-                      first_k_dense_replace=model.first_dense_layers, n_group=model.moe_groups,
-                      topk_group=model.moe_group_top_k, routed_scaling_factor=model.moe_routed_scaling,
-                      norm_topk_prob=True)
-    if model.family == "glm4_moe":
-        common.update(attention_bias=True, use_qk_norm=False)
-    if model.is_mla:
-        common.update(q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank,
-                      qk_nope_head_dim=model.qk_nope_head_dim, qk_rope_head_dim=model.qk_rope_head_dim,
-                      v_head_dim=model.v_head_dim)
-    if model.family not in classes:
-        raise ValueError(f"model.family={model.family}: random-init building supports {sorted(classes)}")
-    config = classes[model.family](**{**common, **overrides})
+    family = model.spec
+    values = {key: getattr(model, name) for name, key in family.fields.items()
+              if getattr(model, name) is not None or name in NULL_IS_A_VALUE}
+    config = getattr(transformers, family.hf_config_class)(**{**values, **family.fixed, **overrides})
     for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):  # family defaults index the real vocabulary
         value = getattr(config, attr, None)
         if isinstance(value, int) and value >= model.vocab_size and attr not in overrides:

@@ -9,17 +9,16 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, Optional
 
 from slime_hydra.options import Problem, choice, non_negative, positive, within
-
-ENGINE_BACKENDS = ("embedded", "sglang")
-"""rollout.backend: which server each engine runs (rollout/engines/actor.py)."""
+from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
 ROUTER_POLICIES = ("round_robin", "cache_aware", "random", "power_of_two")
 """rollout.router_policy: the sglang-router load-balancing policies the platform drives (rollout/router.py)."""
 
 
 @dataclass
 class RolloutConfig:
-    backend: str = choice("embedded", ENGINE_BACKENDS)
-    """embedded (transformers engine speaking SGLang's protocol) | sglang (real SGLang servers)."""
+    backend: str = choice("embedded", ENGINE_KINDS)
+    """The engine kind (rollout/engines/kinds.py): embedded (a transformers engine speaking SGLang's protocol) |
+    sglang (real SGLang servers)."""
     batch_prompts: int = positive(32)
     """Prompts per rollout step (slime's rollout_batch_size)."""
     n_samples_per_prompt: int = positive(8)
@@ -70,8 +69,11 @@ class RolloutConfig:
         if self.generate is not None and "." not in self.generate:
             yield Problem((f"{prefix}generate",), f"'{self.generate}' is not a dotted path",
                           f"set {prefix}generate=my_pkg.module.generate")
-        if self.backend == "embedded" and self.gpus_per_engine > 1:
+        kind = ENGINE_KINDS.get(self.backend)
+        if kind is not None and kind.max_gpus_per_engine is not None and self.gpus_per_engine > kind.max_gpus_per_engine:
+            wider = [k.name for k in ENGINE_KINDS.values() if k.max_gpus_per_engine is None]
             yield Problem((f"{prefix}gpus_per_engine", f"{prefix}backend"),
-                          f"the embedded engine runs on one device, not rollout.gpus_per_engine={self.gpus_per_engine}",
-                          "set rollout.gpus_per_engine=1 (more engines: rollout.num_gpus), or rollout=sglang for TP "
-                          "engines")
+                          f"an engine of rollout={self.backend} runs on at most {kind.max_gpus_per_engine} GPU(s), "
+                          f"not rollout.gpus_per_engine={self.gpus_per_engine}",
+                          f"set rollout.gpus_per_engine={kind.max_gpus_per_engine} (more engines: rollout.num_gpus)"
+                          + (f", or rollout={wider[0]} for TP engines" if wider else ""))

@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
 from slime_hydra.options import Problem, choice, non_negative, positive, within
+from slime_hydra.train.kinds import TRAIN_BACKEND_KINDS
 
-TRAIN_BACKENDS = ("fsdp", "megatron")
-"""train.backend: the trainer implementations (train/group.py picks the class)."""
 TRAIN_DTYPES = ("bf16", "fp32")
 """train.dtype: compute precision (train/precision.py)."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -145,8 +144,9 @@ def gate_up_problem() -> Problem:
 
 @dataclass
 class TrainConfig:
-    backend: str = choice("fsdp", TRAIN_BACKENDS)
-    """fsdp (torch-native FSDP2 over the HF model) | megatron (megatron-core GPTModel)."""
+    backend: str = choice("fsdp", TRAIN_BACKEND_KINDS)
+    """The trainer implementation (train/kinds.py): fsdp (torch-native FSDP2 over the HF model) | megatron
+    (megatron-core GPTModel)."""
     num_gpus: int = positive(1)
     """Training ranks (GPUs; on a CPU-only machine, CPU processes)."""
     tp: int = positive(1)

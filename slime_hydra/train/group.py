@@ -1,9 +1,12 @@
 """The train group: one Ray actor per training rank, together one torch.distributed group.
 
-    group = TrainGroup(placement_group, num_ranks, model_path, train_cfg, total_steps, loss_agg, keep_reference)
+    group = TrainGroup(placement_group, num_ranks, backend, model_path, train_cfg, total_steps, loss_agg,
+                       keep_reference)
     logp, entropy = group.logprobs(batch, policy="current")      # [B, T], reassembled in batch order
+    values = critic_group.values(batch)                            # role="critic": [B, T] values
     metrics = group.train_step(batch, loss_fn)                     # one optimizer step on the whole batch
-    group.save(dir); group.load(dir); group.export_hf(dir)
+    group.push_weights(version)                                    # into the engines (train/weight_sync.py)
+    group.call("save", dir, background); group.call("export_hf", dir)   # any backend method, on every rank
 
 The batch goes to the object store once; each data-parallel rank takes its share of the rows (``batch.dp_shares``:
 equal row counts, balanced token counts), so every rank of one model replica (TP/PP peers in Megatron) sees the same
@@ -23,9 +26,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime_hydra.net import free_port
 from slime_hydra.train.batch import TrainBatch, dp_shares
 from slime_hydra.train.config import TrainConfig
+from slime_hydra.train.kinds import TRAIN_BACKEND_KINDS
 
-BACKENDS = {"fsdp": "slime_hydra.train.fsdp.FSDPBackend", "megatron": "slime_hydra.train.megatron.backend.MegatronBackend"}
-"""train.backend (train/config.TRAIN_BACKENDS) -> the class each rank builds (imported there: a rank loads one)."""
 
 
 class TrainRank:
@@ -44,7 +46,7 @@ class TrainRank:
         assigned = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
         torch.set_num_threads(torch_threads or max(assigned, 1))
         init_distributed(rank, world, master_addr=master[0], master_port=master[1])
-        module, name = BACKENDS[backend].rsplit(".", 1)
+        module, name = TRAIN_BACKEND_KINDS[backend].cls.rsplit(".", 1)  # a rank imports its one backend
         Backend = getattr(importlib.import_module(module), name)
         kwargs = {"role": role} if role != "actor" else {}
         self.backend = Backend(model_path, train, total_steps, loss_agg=loss_agg, keep_reference=keep_reference,
@@ -59,6 +61,10 @@ class TrainRank:
         rows, share = self._share(batch)
         logp, entropy = self.backend.logprobs(share, policy, temperature, with_entropy)
         return rows, logp, entropy
+
+    def values(self, batch: TrainBatch):
+        rows, share = self._share(batch)
+        return rows, self.backend.values(share), None
 
     def train_step(self, batch: TrainBatch, loss_fn: Callable, temperature: float, with_entropy: bool) -> dict:
         return self.backend.train_step(self._share(batch)[1], loss_fn, temperature, with_entropy)
@@ -95,10 +101,20 @@ class TrainGroup:
         ray.get([r.setup.remote(i, num_ranks, master, backend, str(model_path), train, total_steps, loss_agg,
                                 keep_reference, role, torch_threads) for i, r in enumerate(self.ranks)])
 
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """A critic group's [B, T] values V(s_j) of the states before each response token, in batch order."""
+        ref = ray.put(batch)
+        return self._assemble(batch, ray.get([r.values.remote(ref) for r in self.ranks]), False)[0]
+
     def logprobs(self, batch: TrainBatch, policy: str = "current", temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         ref = ray.put(batch)
         parts = ray.get([r.logprobs.remote(ref, policy, temperature, with_entropy) for r in self.ranks])
+        return self._assemble(batch, parts, with_entropy)
+
+    @staticmethod
+    def _assemble(batch: TrainBatch, parts: list, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every rank's (rows, [rows, T'] values, entropy) put back in batch order as [B, T]."""
         logp = torch.zeros(batch.loss_mask.shape)
         entropy = torch.zeros(batch.loss_mask.shape) if with_entropy else None
         for rows, lp, ent in parts:  # TP/PP peers return the same rows; writing them twice is harmless

@@ -4,16 +4,26 @@ default config has a domain for every number and choice-like string the platform
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.options import Choice, domain_of
 from slime_hydra.rollout.config import ROUTER_POLICIES, RolloutConfig
-from slime_hydra.train.config import LR_DECAY_STYLES, TRAIN_BACKENDS, WEIGHT_SYNC_METHODS, TrainConfig
+from slime_hydra.train.config import LR_DECAY_STYLES, WEIGHT_SYNC_METHODS, TrainConfig
 
 
 def test_implementations_match_the_declared_choices():
-    from slime_hydra.train.group import BACKENDS
+    import importlib
+
+    from slime_hydra.train.backend import TrainBackend
+    from slime_hydra.train.kinds import TRAIN_BACKEND_KINDS
     from slime_hydra.train.optim import DECAY
 
-    assert set(BACKENDS) == set(TRAIN_BACKENDS)
+    assert domain_of(TrainConfig, "backend").choices is TRAIN_BACKEND_KINDS  # the registry itself, read live
+    for kind in TRAIN_BACKEND_KINDS.values():  # each record's class implements the protocol
+        module, name = kind.cls.rsplit(".", 1)
+        assert issubclass(getattr(importlib.import_module(module), name), TrainBackend), kind
     assert set(DECAY) == set(LR_DECAY_STYLES)
     assert domain_of(TrainConfig, "weight_sync").choices == ("auto",) + WEIGHT_SYNC_METHODS
+    from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
+
+    for engine in ENGINE_KINDS.values():  # what an engine kind takes is a method train/weight_sync.py sends
+        assert set(engine.weight_syncs) <= set(WEIGHT_SYNC_METHODS) and engine.colocated_sync in engine.weight_syncs
     assert domain_of(RolloutConfig, "router_policy").choices == ROUTER_POLICIES
     from slime_hydra.reward.registry import BUILTINS, NAMES
 

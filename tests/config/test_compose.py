@@ -22,7 +22,7 @@ NEEDS = {
     ("data", "jsonl"): ("data.path=/data/train.jsonl",),
     ("data", "countdown"): ("reward=task",),
     ("data", "sorting"): ("reward=task",),
-    ("data", "calculator"): ("reward=task", "rollout.generate=slime_hydra.rollout.tools.calculator_generate"),
+    ("data", "calculator"): ("reward=task", "rollout.generate=slime_hydra.rollout.examples.calculator_tool.calculator_generate"),
     ("reward", "task"): ("data=arithmetic",),
     ("reward", "remote"): ("reward.url=http://127.0.0.1:8000/score",),
     ("reward", "custom"): ("reward.target=slime_hydra.reward.exact_match.exact_match_reward",),

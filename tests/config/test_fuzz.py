@@ -48,7 +48,7 @@ def _values(f: dataclasses.Field, kind) -> st.SearchStrategy:
     domain = f.metadata.get("domain")
     edge: list = ["null", "abc", "-1", "0", "1", "3", "1000000", "0.5", "true"]
     if isinstance(domain, Choice):
-        edge += list(domain.choices) + [c + "x" for c in domain.choices[:2]]
+        edge += list(domain.names) + [c + "x" for c in domain.names[:2]]
     if isinstance(domain, Range):
         for bound in (domain.low, domain.high):
             if bound is not None:
@@ -113,7 +113,7 @@ def _typed_values(f: dataclasses.Field, kind) -> list:
     domain = f.metadata.get("domain")
     values: list = [None] if type(None) in typing.get_args(kind) else []
     if isinstance(domain, Choice):
-        return values + list(domain.choices) + ["nonsense"]
+        return values + list(domain.names) + ["nonsense"]
     if base[0] is bool:
         return [True, False]
     if base[0] in (int, float):

@@ -222,7 +222,7 @@ def test_cli_prints_every_engine(capsys):
         "--host $HOST --port $PORT --nccl-port $NCCL_PORT --tp-size 2 --dtype bfloat16 --random-seed 42 "
         "--context-length 128 --weight-version 0 --config $API_KEY_CONFIG --mem-fraction-static 0.7\n")
     assert main(["rollout.num_gpus=1"]) == 2
-    assert "rollout.backend=embedded starts no SGLang servers; add rollout=sglang" in capsys.readouterr().err
+    assert "rollout.backend=embedded has no server command line to print" in capsys.readouterr().err
 
 
 def test_engine_commands_quote_paths():

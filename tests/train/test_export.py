@@ -30,9 +30,9 @@ def _train_and_save(rank, world, backend_name, path, train, ckpt):
     """Two optimizer steps, a checkpoint (as Session.save writes the actor's), the policy's logprobs after them."""
     import importlib
 
-    from slime_hydra.train.group import BACKENDS
+    from slime_hydra.train.kinds import TRAIN_BACKEND_KINDS
 
-    module, name = BACKENDS[backend_name].rsplit(".", 1)
+    module, name = TRAIN_BACKEND_KINDS[backend_name].cls.rsplit(".", 1)
     backend = getattr(importlib.import_module(module), name)(path, train, total_steps=4, keep_reference=True)
     batch = toy_batch()
     for _ in range(STEP):

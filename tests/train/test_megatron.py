@@ -522,7 +522,8 @@ def test_context_parallelism_validates_for_megatron_and_is_refused_for_fsdp():
     assert derived.dp == 1
     error = problems(*big, "train.num_gpus=2", "train.cp=2")
     (problem,) = [p for p in error.problems if "train.cp" in p.keys]
-    assert "train=fsdp is data parallel only" in problem.message and "context parallelism" in problem.fix
+    assert "train=fsdp does not split a model replica by cp=2" in problem.message
+    assert problem.fix == "use train=megatron, or set train.cp=1"
 
 
 # ---- the correctness gate: trainer == engine ----------------------------------------------------------------

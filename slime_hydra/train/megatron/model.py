@@ -52,49 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from slime_hydra.model.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class Family:
-    rotary_class: str
-    """transformers' RoPE module of the family (gives the inverse frequencies)."""
-    qkv_bias: str
-    """'always' (Qwen2), 'config' (config.attention_bias; q/k/v only), 'o_too' (attention_bias also puts a bias
-    on o_proj, which megatron cannot express without biasing the MLP too: refused), or 'never' (DeepSeek-V3: its
-    attention_bias would bias the latent and output projections: refused)."""
-    qk_norm: bool = False
-    """RMSNorm over head_dim on queries and keys before RoPE (Qwen3)."""
-    sandwich_norm: bool = False
-    """Extra RMSNorms on the attention and MLP outputs before the residual adds (GLM-4)."""
-    fused_gate_up: bool = False
-    """HF stores gate and up as one [2F, H] gate_up_proj (GLM-4)."""
-    rotary_interleaved: bool = False
-    """RoPE rotates pairs (x0, x1), (x2, x3) ... (GLM-4) instead of (x_i, x_{i + d/2})."""
-    moe: bool = False
-    """Sparse layers hold a router and experts (Qwen3-MoE's num_experts, num_experts_per_tok, moe_intermediate_size,
-    norm_topk_prob, decoder_sparse_step, mlp_only_layers)."""
-    grouped_router: bool = False
-    """DeepSeek's MoE layout (module docstring): n_routed_experts, the sigmoid router with its correction bias,
-    n_group / topk_group, routed_scaling_factor, n_shared_experts, first_k_dense_replace."""
-    latent_attention: bool = False
-    """Multi-latent attention (DeepSeek-V3; mla.py): q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-    v_head_dim, rope_interleave."""
-
-
-FAMILIES = {
-    "qwen2": Family("transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding", qkv_bias="always"),
-    "qwen3": Family("transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding", qkv_bias="o_too", qk_norm=True),
-    "llama": Family("transformers.models.llama.modeling_llama.LlamaRotaryEmbedding", qkv_bias="o_too"),
-    "glm4": Family("transformers.models.glm4.modeling_glm4.Glm4RotaryEmbedding", qkv_bias="config",
-                   sandwich_norm=True, fused_gate_up=True, rotary_interleaved=True),
-    "qwen3_moe": Family("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeRotaryEmbedding",
-                        qkv_bias="o_too", qk_norm=True, moe=True),
-    "glm4_moe": Family("transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeRotaryEmbedding", qkv_bias="config",
-                       moe=True, grouped_router=True),
-    "deepseek_v3": Family("transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding",
-                          qkv_bias="never", moe=True, grouped_router=True, latent_attention=True),
-}
-"""HF config.model_type -> what its layers look like."""
+from slime_hydra.model.families import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -183,9 +141,10 @@ class Arch:
         """The architecture of a transformers config; refuses what megatron-core's GPT layer cannot express.
         ``moe_aux_loss_coeff``: the router's load-balancing loss coefficient (MoE families; 0 = off)."""
         family_name = config.model_type
-        if family_name not in FAMILIES:
-            raise ValueError(f"model_type={family_name!r}: train=megatron converts {sorted(FAMILIES)}")
-        family = FAMILIES[family_name]
+        family = FAMILIES.get(family_name)
+        if family is None or "megatron" not in family.backends:
+            raise ValueError(f"model_type={family_name!r}: train=megatron converts "
+                             f"{sorted(n for n, f in FAMILIES.items() if 'megatron' in f.backends)}")
         problems = []
         if getattr(config, "hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={config.hidden_act} (SwiGLU needs silu)")
