@@ -46,7 +46,7 @@ import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -55,11 +55,13 @@ from slime_hydra import preempt
 from slime_hydra.buffer.rollout_files import load_saved_rollout, save_rollout
 from slime_hydra.buffer.sample import Sample
 from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, complete, export_dir, find_resume, write_json
-from slime_hydra.cluster.local_ray import LocalRay, death_report, set_local_ray_env
+from slime_hydra.cluster.local_ray import LocalRay, connect, death_report
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import plan_memory
 from slime_hydra.config.schema import SlimeConfig
+from slime_hydra.dotted import import_callable
 from slime_hydra.model.hf import copy_tokenizer, load_tokenizer
+from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
 from slime_hydra.model.warm_start import resolve_model_path
 from slime_hydra.stall import PROBE_TIMEOUT_S, StallDoctor, StallError
 from slime_hydra.tracking.phases import StepTimer
@@ -68,6 +70,9 @@ from slime_hydra.tracking.tracker import Tracker
 from slime_hydra.train.objectives import ActorLoss, CriticLoss
 from slime_hydra.train.prepare import add_advantages, needs_old_logprobs, to_train_batch
 from slime_hydra.turns import GpuTurns
+
+if TYPE_CHECKING:
+    from slime_hydra.train.group import TrainGroup  # imported where the trainer starts: the driver may run none
 
 PHASE_WAITS_ON = {
     "rollout": "the rollout manager (RolloutManager.generate_batch)",
@@ -97,7 +102,7 @@ def run(cfg: SlimeConfig, run_dir: Path) -> str:
         model_path = resolve_model_path(cfg.model, cfg.data, cfg.seed)
         record["model_path"] = str(model_path)  # what export.py builds the run's HF exports on
         write_json(run_dir / RUN_RECORD, record)
-        local_ray = _init_ray(cfg, run_dir)
+        local_ray = init_ray(cfg, run_dir)
         try:
             preempt.install()  # after ray.init, which installs its own SIGTERM handler in the driver
             session = Session(cfg, derive(cfg), run_dir, model_path)
@@ -120,8 +125,33 @@ def run(cfg: SlimeConfig, run_dir: Path) -> str:
         write_json(run_dir / RUN_RECORD, {**record, "outcome": outcome, "error": error, "ended": time.time()})
 
 
+def init_ray(cfg: SlimeConfig, run_dir: Path) -> Optional[LocalRay]:
+    """Join the Ray cluster in RAY_ADDRESS (a SLURM job), or start this machine's node (cluster/local_ray.py: one
+    logical CPU per role process on a CPU-only machine, at least this machine's cores) and connect to it; returns
+    that node (to stop at the end), None when joined."""
+    d = derive(cfg)
+    cpus = cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, d.total_gpus if cfg.cluster.gpus_per_node == 0 else 1)
+    return connect(cpus, run_dir / "logs" / "ray_start.log")
+
+
 class Session:
-    """The live parts of one run (placement, trainer, rollout manager, tracker) and the loop over steps."""
+    """The live parts of one run and the loop over steps; ``rl_step`` is one step, top to bottom."""
+
+    trainer: Optional["TrainGroup"]
+    """The policy's rank actors (train/group.py); None in debug=rollout_only."""
+    critic: Optional["TrainGroup"]
+    """PPO's value model, on the same bundles (algo.needs_critic)."""
+    manager: Optional[ray.actor.ActorHandle]
+    """The RolloutManager actor (rollout/manager.py): engines, router, prompts, buffer, rewards, eval sets; None in
+    debug=train_only."""
+    turns: GpuTurns
+    """Who holds the colocated GPUs' memory, and the moves between them (turns.py)."""
+    tracker: Optional[Tracker]
+    """metrics.jsonl, wandb, TensorBoard (tracking/tracker.py)."""
+    timer: StepTimer
+    """The step being timed, phase by phase (tracking/phases.py)."""
+    doctor: Optional[StallDoctor]
+    """Watches for a run that stopped moving (stall.py)."""
 
     def __init__(self, cfg: SlimeConfig, d: Derived, run_dir: Path, model_path: Path):
         self.cfg, self.d, self.run_dir, self.model_path = cfg, d, run_dir, model_path
@@ -196,11 +226,9 @@ class Session:
 
         cfg, d = self.cfg, self.d
         first = 0 if cfg.cluster.colocate else d.train_gpus
-        sglang = None
-        if cfg.rollout.backend == "sglang":
-            from slime_hydra.rollout.engines.sglang import launch_for
-
-            sglang = launch_for(cfg, d.engine_dtype, str(self.model_path), d.lora_sync == "adapter")
+        launcher = ENGINE_KINDS[cfg.rollout.backend].launcher  # None: the embedded engine's own command line
+        sglang = (import_callable(launcher, "engine kind launcher", "fn(cfg, dtype, model_path, adapter)")(
+            cfg, d.engine_dtype, str(self.model_path), d.lora_sync == "adapter") if launcher else None)
         tp = cfg.rollout.gpus_per_engine
         gpu_ids = engine_gpu_ids(self.pg, first, d.num_engines, tp) if self.on_gpu else [None] * d.num_engines
         lora = adapter_config(cfg.train.lora) if d.lora_sync == "adapter" else None
@@ -253,34 +281,8 @@ class Session:
                     metrics = self.evaluate()
                 self.tracker.log(0, {**metrics, "perf/eval_time": timer.times["eval"]})
             while self.step < cfg.num_steps:
-                step, timer = self.step, StepTimer()
-                self.timer = timer
-                self.turns.hand_to("engines", timer)                        # colocated GPUs: memory moves
-                samples, metrics = self.rollout_phase(step, timer)          # generate -> score -> filter
-                if self.trainer is not None:
-                    self.turns.hand_to("trainer", timer)
-                    metrics.update(self.train_phase(samples, timer))        # old/ref logprobs -> advantages -> train
-                    if (step + 1) % cfg.sync_every_steps == 0 and self.manager is not None:
-                        self.turns.hand_to("both", timer)
-                        with timer.phase("weight_sync"):
-                            metrics.update(self.trainer.push_weights(step + 1))  # engines get version step + 1
-                self.step = step + 1
-                if self._eval_due(self.step):
-                    self.turns.hand_to("engines", timer)
-                    with timer.phase("eval"):
-                        metrics.update(self.evaluate())
-                due = self._save_due() or preempt.requested()
-                if due or self.saving is not None:                           # checkpoint (what the step waits for)
-                    with timer.phase("checkpoint"):
-                        self.finish_save()                                   # latest moves once the write is done
-                        if due:  # the run's last save waits for its write: nothing is left to overlap it with
-                            self.save(wait=self.step == cfg.num_steps or preempt.requested())
-                if self.write_time is not None:
-                    metrics["perf/checkpoint_write_time"], self.write_time = self.write_time, None
-                metrics.update(self.turns.metrics())
-                if self.on_gpu and self.trainer is not None:  # for the memory plan's calibration (config/memory.py)
-                    metrics["perf/trainer_gpu_peak_gb"] = max(self.trainer.call("peak_memory")) / 2**30
-                metrics.update(timer.metrics())
+                step = self.step
+                metrics = self.rl_step(step)
                 self.tracker.log(step, metrics)                              # track
                 progress.update(step, metrics)
                 if self.doctor is not None:
@@ -291,6 +293,39 @@ class Session:
             self.save(wait=True)
         self.export()
         return "done"
+
+    def rl_step(self, step: int) -> dict[str, float]:
+        """One RL step, in the algorithm's order; returns its metrics. Colocated on GPUs, ``turns`` first hands the
+        memory to whoever works next (a no-op otherwise)."""
+        cfg, timer = self.cfg, StepTimer()
+        self.timer = timer
+        self.turns.hand_to("engines", timer)
+        samples, metrics = self.rollout_phase(step, timer)                  # rollout -> rewards -> filter
+        if self.trainer is not None:
+            self.turns.hand_to("trainer", timer)
+            metrics.update(self.train_phase(samples, timer))                # logprobs -> advantages -> train
+            if (step + 1) % cfg.sync_every_steps == 0 and self.manager is not None:
+                self.turns.hand_to("both", timer)
+                with timer.phase("weight_sync"):                            # sync: engines get version step + 1
+                    metrics.update(self.trainer.push_weights(step + 1))
+        self.step = step + 1
+        if self._eval_due(self.step):                                       # eval
+            self.turns.hand_to("engines", timer)
+            with timer.phase("eval"):
+                metrics.update(self.evaluate())
+        due = self._save_due() or preempt.requested()
+        if due or self.saving is not None:                                  # save (what the step waits for)
+            with timer.phase("checkpoint"):
+                self.finish_save()                                          # latest moves once the write is done
+                if due:  # the run's last save waits for its write: nothing is left to overlap it with
+                    self.save(wait=self.step == cfg.num_steps or preempt.requested())
+        if self.write_time is not None:
+            metrics["perf/checkpoint_write_time"], self.write_time = self.write_time, None
+        metrics.update(self.turns.metrics())
+        if self.on_gpu and self.trainer is not None:  # for the memory plan's calibration (config/memory.py)
+            metrics["perf/trainer_gpu_peak_gb"] = max(self.trainer.call("peak_memory")) / 2**30
+        metrics.update(timer.metrics())
+        return metrics
 
     def rollout_phase(self, step: int, timer: StepTimer) -> tuple[list[Sample], dict]:
         """This step's samples and rollout metrics (timed as ``rollout``); in async mode also starts the next
@@ -343,7 +378,7 @@ class Session:
             old = (self.trainer.logprobs(batch, "current", temperature)[0]
                    if needs_old_logprobs(algo, self.d.optimizer_steps_per_rollout) else None)
             ref = self.trainer.logprobs(batch, "ref", temperature)[0] if algo.needs_reference else None
-            values = self.critic.logprobs(batch)[0] if self.critic is not None else None
+            values = self.critic.values(batch) if self.critic is not None else None
             add_advantages(batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values,
                            max_response_tokens=cfg.rollout.max_response_tokens)
         with timer.phase("train"):
@@ -462,27 +497,3 @@ class Session:
                 group.shutdown()
         if self.pg is not None:
             remove_placement_group(self.pg)
-
-
-# ---- helpers -------------------------------------------------------------------------------------------------------
-def _init_ray(cfg: SlimeConfig, run_dir: Path) -> Optional[LocalRay]:
-    """Join the Ray cluster in RAY_ADDRESS (a SLURM job), or start this machine's node in a session of its own
-    (cluster/local_ray.py) and connect to it; returns that node (to stop at the end), None when joined."""
-    if ray.is_initialized():
-        return None
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        return None
-    set_local_ray_env()  # a no-op after launch.py's call; checks that ray was imported with it
-    d = derive(cfg)
-    cpus = max(os.cpu_count() or 1, d.total_gpus if cfg.cluster.gpus_per_node == 0 else 1)
-    node = LocalRay(cfg.cluster.cpus_per_node or cpus, run_dir / "logs" / "ray_start.log")
-    address = node.start()
-    try:
-        ray.init(address=address, log_to_driver=True,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
-    except BaseException:
-        node.stop()
-        raise
-    return node
-

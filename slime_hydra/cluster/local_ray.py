@@ -129,6 +129,28 @@ class LocalRay:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
+def connect(num_cpus: int, log_path: Path) -> Optional[LocalRay]:
+    """Join the Ray cluster in RAY_ADDRESS (a SLURM job), or start this machine's node with ``num_cpus`` in a session
+    of its own and connect to it; returns that node (to stop at the end), None when joined."""
+    import ray
+
+    if ray.is_initialized():
+        return None
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return None
+    set_local_ray_env()  # a no-op after launch.py's call; checks that ray was imported with it
+    node = LocalRay(num_cpus, log_path)
+    address = node.start()
+    try:
+        ray.init(address=address, log_to_driver=True,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
+    except BaseException:
+        node.stop()
+        raise
+    return node
+
+
 def remove_stale_temp_dirs() -> None:
     """Remove /tmp/ray_sh_* dirs whose driver is gone (it was killed before it could stop its node)."""
     for path in Path("/tmp").glob(f"{TEMP_PREFIX}*"):

@@ -10,7 +10,7 @@ config) and ``ctx.max_context_tokens``. ``sampling_params`` is SGLang's dict (te
 max_new_tokens ...). A hook fills ``tokens``, ``response``, ``response_length``, ``loss_mask``,
 ``rollout_log_probs``, ``weight_version`` and ``status`` (and ``routed_experts``, when the engine reports them:
 ``apply_output`` does all of it for one /generate answer) and returns the sample. ``rollout.generate`` names a hook
-by dotted path (``slime_hydra.rollout.tools.calculator_generate`` is a worked multi-turn example).
+by dotted path (``slime_hydra.rollout.examples.calculator_tool.calculator_generate`` is a worked multi-turn example).
 
 The default generate sends ``sample.tokens`` (the prompt, plus the partial response of a recycled sample) with
 ``return_logprob``, appends the engine's tokens and logprobs, trains on every generated token (loss_mask 1), and

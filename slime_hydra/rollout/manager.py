@@ -394,19 +394,6 @@ class RolloutManager:
             await self.pool.on_engines("resume_memory_occupation", todo)
             self.released -= set(todo)
 
-    async def engine_weight_versions(self) -> list[str]:
-        return await self.pool.on_engines("get_weight_version")
-
-    # ---- engines (supervision: engine_pool.py) ---------------------------------------------------------------------
-    async def check_engines(self) -> list[int]:
-        return await self.pool.check()
-
-    async def engine_status(self) -> list[dict]:
-        return await self.pool.status()
-
-    async def wait_engines_settled(self, timeout_s: float = 300.0) -> None:
-        await self.pool.settled(timeout_s)
-
     # ---- checkpoint, shutdown ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"source": self.source.state_dict(), "buffer": self.buffer.state_dict()}

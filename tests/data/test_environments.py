@@ -69,12 +69,12 @@ def test_calculator_score_reads_the_answer_after_the_last_tool_result(response, 
     assert get_task("calculator").score(response, "408") == expected
 
 
-def test_calculator_task_reads_the_tools_result_tag():
-    from slime_hydra.data.tasks.calculator import RESULT_CLOSE
-    from slime_hydra.rollout.tools import RESULT_CLOSE as TOOL_RESULT_CLOSE, run_calculator
+def test_calculator_tool_computes_every_label_and_is_the_tasks_hook():
+    from slime_hydra.dotted import import_callable
+    from slime_hydra.rollout.examples.calculator_tool import run_calculator
 
-    assert RESULT_CLOSE == TOOL_RESULT_CLOSE
     env = get_env("calculator")
+    assert callable(import_callable(env.generate_hook, "generate_hook", "the calculator's generate hook"))
     for r in env.rows("train", levels=range(1, env.max_level + 1), n=60):
         assert run_calculator(r["metadata"]["expression"]) == r["label"]  # the tool computes the label exactly
 

@@ -18,7 +18,7 @@ import torch
 
 from slime_hydra.config import compose, to_config
 from slime_hydra.config.derive import derive
-from slime_hydra.loop import Session, _init_ray
+from slime_hydra.loop import Session, init_ray
 from slime_hydra.model.warm_start import resolve_model_path
 from slime_hydra.rollout.auth import read_api_key
 from slime_hydra.tracking.phases import StepTimer
@@ -44,7 +44,7 @@ def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype, offload)
         "rollout.n_samples_per_prompt=8", "train.micro_batch_samples=64", "train.lr=1e-3", "reward.name=random",
         f"output_dir={tmp_path}", "run_name=r", "rollout.eval_every_steps=0"]))
     mean_gate, max_gate = GATES[dtype]
-    node = _init_ray(cfg, tmp_path)
+    node = init_ray(cfg, tmp_path)
     session = Session(cfg, derive(cfg), tmp_path / "r", resolve_model_path(cfg.model, cfg.data, cfg.seed))
     try:
         assert session.colocated_moves == (offload == "always")

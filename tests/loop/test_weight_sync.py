@@ -13,7 +13,7 @@ import ray
 
 from slime_hydra.config import compose, to_config
 from slime_hydra.config.derive import derive
-from slime_hydra.loop import Session, _init_ray
+from slime_hydra.loop import Session, init_ray
 from slime_hydra.model.warm_start import resolve_model_path
 from slime_hydra.tracking.phases import StepTimer
 from slime_hydra.rollout.auth import read_api_key
@@ -57,7 +57,7 @@ def test_engine_holds_the_trainer_weights_after_sync(ray_local, tmp_path, overri
     cfg = to_config(compose(["model.sft_warm_start_steps=0", "rollout.batch_prompts=4",
                              "rollout.n_samples_per_prompt=4", "train.micro_batch_samples=16", f"output_dir={tmp_path}", "run_name=r",
                              "train.lr=1e-3", "reward.name=random", *overrides]))  # random rewards: nonzero advantages
-    node = _init_ray(cfg, tmp_path)
+    node = init_ray(cfg, tmp_path)
     session = Session(cfg, derive(cfg), Path(tmp_path) / "r", resolve_model_path(cfg.model, cfg.data, cfg.seed))
     try:
         url, key = session.engine_urls[0], read_api_key(session.run_dir)

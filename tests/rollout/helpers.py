@@ -6,6 +6,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from slime_hydra.rollout.manager import RolloutManager
+
 VOCAB = 64
 EOS_PROMPT = [5, 9, 13]
 """The prompt whose greedy continuation (under seed 0 weights) reaches the EOS token chosen in build_models."""
@@ -106,19 +108,35 @@ def manager_config(tmp_path: Path, *overrides: str):
                               f"output_dir={tmp_path}", "run_name=r", *overrides]))
 
 
+class InspectedManager(RolloutManager):
+    """The real RolloutManager, plus what the tests read of its engine pool (rollout/engine_pool.py) from outside the
+    actor: nothing here changes what it does."""
+
+    async def engine_weight_versions(self) -> list[str]:
+        return await self.pool.on_engines("get_weight_version")
+
+    async def check_engines(self) -> list[int]:
+        return await self.pool.check()
+
+    async def engine_status(self) -> list[dict]:
+        return await self.pool.status()
+
+    async def wait_engines_settled(self, timeout_s: float = 300.0) -> None:
+        await self.pool.settled(timeout_s)
+
+
 def start_manager(cfg, run_dir: Path, num_engines: int = 2, lora: dict | None = None):
-    """A RolloutManager actor with ``num_engines`` embedded CPU engines (one torch thread each; serving LoRA adapters
+    """An InspectedManager actor with ``num_engines`` embedded CPU engines (one torch thread each; serving LoRA adapters
     of the PEFT config ``lora``), started; returns (manager, engine actors, engine urls). Ray must be initialised."""
     import ray
 
     from slime_hydra.model.warm_start import resolve_model_path
     from slime_hydra.rollout.engines.actor import EngineActor
-    from slime_hydra.rollout.manager import RolloutManager
 
     model_path = str(resolve_model_path(cfg.model, cfg.data, cfg.seed))
     engines = [ray.remote(EngineActor).options(num_cpus=0).remote(
         i, model_path, str(run_dir / "logs"), dtype="float32", max_batch_size=256, torch_threads=1, lora=lora)
         for i in range(num_engines)]
-    manager = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, model_path, str(run_dir), engines)
+    manager = ray.remote(InspectedManager).options(num_cpus=0).remote(cfg, model_path, str(run_dir), engines)
     urls = ray.get(manager.start.remote(), timeout=300)
     return manager, engines, urls

@@ -10,7 +10,7 @@ from slime_hydra.data.tasks import get_env, task_reward
 from slime_hydra.model.tiny import build_tiny_tokenizer
 from slime_hydra.rollout.config import RolloutConfig
 from slime_hydra.rollout.generate import RolloutContext
-from slime_hydra.rollout.tools import CALL_CLOSE, calculator_generate
+from slime_hydra.rollout.examples.calculator_tool import CALL_CLOSE, calculator_generate
 
 
 class ScriptedClient:

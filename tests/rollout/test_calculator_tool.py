@@ -19,7 +19,7 @@ from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.config import RolloutConfig
 from slime_hydra.rollout.engines import start_embedded_engine
 from slime_hydra.rollout.generate import RolloutContext, get_generate_fn
-from slime_hydra.rollout.tools import CalculatorGenerate, Limits, ToolError, evaluate, run_calculator
+from slime_hydra.rollout.examples.calculator_tool import CalculatorGenerate, Limits, ToolError, evaluate, run_calculator
 from slime_hydra.train.prepare import to_train_batch
 
 SCRIPTS = {
@@ -122,7 +122,7 @@ def engine(tmp_path_factory):
 def run_hook(engine, prompt: str, max_new_tokens: int = 128, hook=None, client_cls=SGLangClient, sample=None,
              **params) -> Sample:
     url, tokenizer = engine
-    hook = hook or get_generate_fn("slime_hydra.rollout.tools.calculator_generate")
+    hook = hook or get_generate_fn("slime_hydra.rollout.examples.calculator_tool.calculator_generate")
     sample = sample or Sample(prompt=prompt, tokens=tokenizer.encode(prompt, add_special_tokens=False))
 
     async def go():

@@ -1,7 +1,8 @@
 """A multi-turn tool task: arithmetic too long to do in one's head, with the calculator tool (``data.task=
-calculator``; needs ``rollout.generate=slime_hydra.rollout.tools.calculator_generate``).
+calculator``; its prompts need the tool-calling generate hook ``GENERATE_HOOK``, which validation asks for).
 
-Prompt "Compute 4821*397+12 with <calc></calc>:", label "1913949". The hook (rollout/tools.py) answers each
+Prompt "Compute 4821*397+12 with <calc></calc>:", label "1913949". The hook (rollout/examples/calculator_tool.py)
+answers each
 ``<calc>expression</calc>`` the model writes with ``<result>value</result>`` and lets it go on; the answer is what the
 model writes after the last tool result (the whole response when it made no call), stripped, and it is right when it
 is exactly the label's digits. A correct response, as the warm start teaches it:
@@ -16,8 +17,12 @@ from typing import Any, Optional
 from slime_hydra.data.tasks.arithmetic import _value
 from slime_hydra.data.tasks.env import Environment
 
-RESULT_CLOSE = "</result>"
-"""How the calculator tool ends its answer (rollout/tools.RESULT_CLOSE; a test checks they agree)."""
+CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
+"""How the model writes a call of the calculator tool."""
+RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
+"""How the tool answers (the generate hook writes them; the score reads the answer after the last one)."""
+GENERATE_HOOK = "slime_hydra.rollout.examples.calculator_tool.calculator_generate"
+"""The rollout.generate hook that runs the tool (the task's ``generate_hook``)."""
 LEVELS = {1: (2, 2, "+-*"), 2: (3, 2, "*"), 3: (3, 3, "+-*"), 4: (4, 3, "+-*"), 5: (5, 3, "+-*"), 6: (6, 4, "+-*")}
 """Level -> (digits per operand, operands, operators)."""
 
@@ -30,6 +35,7 @@ def final_answer(response: str) -> str:
 class Calculator(Environment):
     name = "calculator"
     default_level = 2
+    generate_hook = GENERATE_HOOK
 
     def problem(self, rng: random.Random, level: int) -> tuple[str, Any, dict]:
         digits, count, ops = LEVELS[level]
@@ -44,7 +50,7 @@ class Calculator(Environment):
         return float(final_answer(response) == str(label))
 
     def solution(self, label: Any, metadata: dict) -> str:
-        return f"<calc>{metadata['expression']}</calc><result>{label}{RESULT_CLOSE}{label}"
+        return f"{CALL_OPEN}{metadata['expression']}{CALL_CLOSE}{RESULT_OPEN}{label}{RESULT_CLOSE}{label}"
 
 
 TASK = Calculator()

@@ -41,6 +41,8 @@ class Environment:
     """The level of data.level=null."""
     graded_by: tuple[str, ...] = ()
     """reward.name values besides ``task`` that grade this task right (e.g. math for a numeric answer)."""
+    generate_hook: Optional[str] = None
+    """A multi-turn task: the rollout.generate hook its prompts need (validation refuses a run without one)."""
 
     @property
     def max_level(self) -> int:

@@ -1,5 +1,5 @@
 """A worked multi-turn generate hook: the policy calls a calculator tool (``rollout.generate=
-slime_hydra.rollout.tools.calculator_generate``).
+slime_hydra.rollout.examples.calculator_tool.calculator_generate``; the calculator task names it as its hook).
 
 The model writes a call as ``<calc>12*(3+4)</calc>``. Generation runs with ``</calc>`` as an extra SGLang ``stop``
 string, so the engine returns as soon as a call is closed; the hook evaluates the expression (``evaluate``, a
@@ -31,8 +31,7 @@ from typing import Union
 from slime_hydra.buffer.sample import Sample, Status
 from slime_hydra.rollout.generate import RolloutContext, apply_output
 
-CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
-RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
+from slime_hydra.data.tasks.calculator import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN
 
 Number = Union[int, float]
 
@@ -182,4 +181,5 @@ class CalculatorGenerate:
 
 
 calculator_generate = CalculatorGenerate()
-"""The hook ``rollout.generate=slime_hydra.rollout.tools.calculator_generate`` names (max_turns 4)."""
+"""The hook ``rollout.generate=slime_hydra.rollout.examples.calculator_tool.calculator_generate`` names
+(max_turns 4)."""
