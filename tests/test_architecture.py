@@ -32,3 +32,15 @@ def test_no_import_cycle_between_any_modules():
 def test_modules_stay_small():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "slime_hydra").rglob("*.py")}
     assert {p: n for p, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_every_module_sits_in_a_layer():
+    """The layers contract names every top-level module and package of slime_hydra (one not named escapes it)."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c["layers"] for c in contracts if c["type"] == "layers")
+    named = {name.strip().removeprefix("slime_hydra.") for layer in layers for name in layer.replace("|", ":").split(":")}
+    top = {p.stem for p in (ROOT / "slime_hydra").iterdir()
+           if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+    assert top - named == set()
