@@ -50,6 +50,11 @@ the leases to come back before it stops its processes. Our nodes are stopped aft
 actors (nothing to drain), and the wait made every stop run into the SIGKILL grace period (10 s a run, measured on
 the CPU machine)."""
 
+NO_PRESTART_ENV = {"RAY_prestart_worker_first_driver": "0"}
+"""For ``ray start``: Ray (2.60) starts one idle worker per CPU when the first driver connects, for tasks; a run's
+processes are actors, which get workers of their own, so those workers only cost their start (a run of two steps
+on the 2-core CPU machine: 62 s of CPU time without them, 68 s with; docs/benchmarks.md)."""
+
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", **NO_DRAIN_ENV}
 """What a run on one machine needs (docs/architecture.md "Machine facts"): Ray's cluster mode off, so the driver
 reaches the node on 127.0.0.1 (with it on, ``ray.init(address="127.0.0.1:<port>")`` rewrites the address to the
@@ -91,7 +96,8 @@ class LocalRay:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(tied_to_parent(args, group=True), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+                                         env={**NO_PRESTART_ENV, **{k: v for k, v in os.environ.items()
+                                                                    if k != "RAY_ADDRESS"}})
         deadline = time.monotonic() + START_TIMEOUT_S
         while not (answers("127.0.0.1", port) and STARTED_LINE in self.log_path.read_text(errors="replace")):
             if self.proc.poll() is not None or time.monotonic() > deadline:
