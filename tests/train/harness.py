@@ -5,6 +5,7 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -51,14 +52,15 @@ def _entry(rank, world, port, fn, args, queue):
 
     torch.set_num_threads(1)
     os.environ["MASTER_PORT"] = str(port)
-    init_distributed(rank, world, master_port=port)
     try:
+        init_distributed(rank, world, master_port=port)
         result = fn(rank, world, *args)
     except BaseException as error:  # report instead of leaving the parent waiting on the queue
         queue.put((rank, pickle.dumps(RuntimeError(f"rank {rank}: {error!r}"))))
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     queue.put((rank, pickle.dumps(result)))  # plain bytes: shared tensors die with the child
     # The result is in the pipe (put returns once written). Leave without the interpreter's teardown: a rank of a
     # two-rank FSDP test was once killed there by "terminate called without an active exception" (SIGABRT, a C++
@@ -68,18 +70,34 @@ def _entry(rank, world, port, fn, args, queue):
     os._exit(0)
 
 
+START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"
+"""How ranks start. On CPU machines, forked from the fork server that imported torch, transformers and megatron-core
+once (tests/conftest.py: ~10-20 s of CPU saved a rank). On a GPU machine the GPU train tests hung under the fork
+server (one H200, 2026-11-29, not diagnosed; a preloaded module that touches CUDA would do it, as a forked child
+cannot use CUDA after its parent did), so ranks there are spawned, as they were when those tests passed."""
+
+
 def run_ranks(world: int, fn, *args):
-    """[result of rank 0, ..., rank world-1] of fn(rank, world, *args) run under a fresh gloo group."""
-    ctx = mp.get_context("forkserver")  # what it preloads: tests/conftest.py
+    """[result of rank 0, ..., rank world-1] of fn(rank, world, *args) run under a fresh gloo group. A rank that
+    dies without a word (a signal, a crash in C++) fails the call instead of leaving it waiting."""
+    ctx = mp.get_context(START_METHOD)
     queue = ctx.SimpleQueue()
     procs = mp.start_processes(_entry, args=(world, free_port(), fn, args, queue), nprocs=world, join=False,
-                               start_method="forkserver")
+                               start_method=START_METHOD)
     results = {}
     for _ in range(world):  # drain before joining: a big result blocks the pipe
+        while queue.empty():
+            dead = [(i, p.exitcode) for i, p in enumerate(procs.processes) if p.exitcode not in (None, 0)]
+            if dead and queue.empty():  # its last words, if it sent any, are read first
+                for p in procs.processes:
+                    p.kill()
+                raise RuntimeError("ranks died without a result: "
+                                   + ", ".join(f"rank {i} exit code {code}" for i, code in dead))
+            time.sleep(0.1)
         rank, payload = queue.get()
         results[rank] = pickle.loads(payload)
         if isinstance(results[rank], RuntimeError):
-            procs.join(timeout=30)
+            procs.join(timeout=30)  # raises the rank's traceback once it exited (ProcessRaisedException)
             raise results[rank]
     while not procs.join():
         pass
