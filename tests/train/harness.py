@@ -104,6 +104,18 @@ def run_ranks(world: int, fn, *args):
     return [results[r] for r in range(world)]
 
 
+def hf_response_logprobs(model, batch) -> torch.Tensor:
+    """[B, R] response logprobs of a plain HF (or PEFT) model, by hand (position p+j-1 predicts token p+j)."""
+    out = torch.zeros(batch.loss_mask.shape)
+    for i in range(batch.size):
+        n, p = int(batch.attention_mask[i].sum()), int(batch.response_start[i])
+        ids = batch.input_ids[i, :n].unsqueeze(0)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+        out[i, : n - p] = torch.stack([logp[p + j - 1, ids[0, p + j]] for j in range(n - p)])
+    return out
+
+
 def assert_policy_logprobs(path: Path, current, entropy, ref0, after, ref1) -> None:
     """A backend's logprobs and entropy of toy_batch() [B, R] equal those of a plain transformers forward, computed
     by hand (the logits at position p+j-1 predict token p+j; fp32, 1e-5), zero past each response; at step 0 the

@@ -19,7 +19,7 @@ from slime_hydra.config import compose
 from slime_hydra.export import export_checkpoint, main
 from slime_hydra.train.backend import export_dtype
 from slime_hydra.train.config import LoraConfig, TrainConfig
-from tests.train.harness import pg_loss, run_ranks, tiny_checkpoint, toy_batch
+from tests.train.harness import hf_response_logprobs, pg_loss, run_ranks, tiny_checkpoint, toy_batch
 
 CFG = dict(lr=1e-2, dtype="fp32", clip_grad=1.0, micro_batch_samples=4)
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -39,18 +39,6 @@ def _train_and_save(rank, world, backend_name, path, train, ckpt):
         backend.train_step(batch, pg_loss)
     backend.save(ckpt)
     return backend.logprobs(batch)[0]
-
-
-def _logp_of(model, batch) -> torch.Tensor:
-    """[B, R] response logprobs of a plain HF (or PEFT) model, by hand (position p+j-1 predicts token p+j)."""
-    out = torch.zeros(batch.loss_mask.shape)
-    for i in range(batch.size):
-        n, p = int(batch.attention_mask[i].sum()), int(batch.response_start[i])
-        ids = batch.input_ids[i, :n].unsqueeze(0)
-        with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-        out[i, : n - p] = torch.stack([logp[p + j - 1, ids[0, p + j]] for j in range(n - p)])
-    return out
 
 
 def _fake_run(run: Path, model_path: Path, overrides: list[str]) -> Path:
@@ -90,14 +78,14 @@ def test_an_exported_checkpoint_reproduces_the_trained_policy(tmp_path, case):
     assert out == run / "export" / f"step_{STEP:06d}"
     batch = toy_batch()
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    torch.testing.assert_close(_logp_of(exported, batch), trained, atol=1e-5, rtol=0)
-    assert (trained - _logp_of(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), batch)).abs().max() \
+    torch.testing.assert_close(hf_response_logprobs(exported, batch), trained, atol=1e-5, rtol=0)
+    assert (trained - hf_response_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), batch)).abs().max() \
         > 1e-3  # the two steps moved the policy away from the starting checkpoint
     if "lora" in fields:
         assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == LORA.rank
         adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
                                             out / "adapter")
-        torch.testing.assert_close(_logp_of(adapted, batch), trained, atol=1e-5, rtol=0)
+        torch.testing.assert_close(hf_response_logprobs(adapted, batch), trained, atol=1e-5, rtol=0)
     else:
         assert not (out / "adapter").exists()
 

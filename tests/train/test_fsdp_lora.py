@@ -12,22 +12,10 @@ from transformers import AutoModelForCausalLM
 from slime_hydra.train.config import LoraConfig, TrainConfig
 from slime_hydra.train.fsdp import FSDPBackend
 from slime_hydra.weight_transport import split_adapter_key
-from tests.train.harness import TINY, pg_loss, run_ranks, tiny_checkpoint, toy_batch
+from tests.train.harness import TINY, hf_response_logprobs, pg_loss, run_ranks, tiny_checkpoint, toy_batch
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 CFG = dict(lr=1e-2, dtype="fp32", clip_grad=1.0, micro_batch_samples=4)
-
-
-def _logp_of(model, batch) -> torch.Tensor:
-    """[B, R] response logprobs of a plain HF (or PEFT) model, by hand (position p+j-1 predicts token p+j)."""
-    out = torch.zeros(batch.loss_mask.shape)
-    for i in range(batch.size):
-        n, p = int(batch.attention_mask[i].sum()), int(batch.response_start[i])
-        ids = batch.input_ids[i, :n].unsqueeze(0)
-        with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-        out[i, : n - p] = torch.stack([logp[p + j - 1, ids[0, p + j]] for j in range(n - p)])
-    return out
 
 
 def _gates(rank, world, path, out):
@@ -66,12 +54,12 @@ def test_lora_step0_is_the_base_model_and_only_adapters_train(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert set(r["merged"]) == set(hf.state_dict())
     hf.load_state_dict(r["merged"])
-    torch.testing.assert_close(_logp_of(hf, batch), r["after"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(hf_response_logprobs(hf, batch), r["after"], atol=1e-5, rtol=0)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
                                            tmp_path / "adapter")
-    torch.testing.assert_close(_logp_of(peft_model, batch), r["after"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(hf_response_logprobs(peft_model, batch), r["after"], atol=1e-5, rtol=0)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
-    torch.testing.assert_close(_logp_of(exported, batch), r["after"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(hf_response_logprobs(exported, batch), r["after"], atol=1e-5, rtol=0)
     with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as f:
         assert sorted(f.keys()) == sorted(r["adapter"])
 
