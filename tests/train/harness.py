@@ -97,7 +97,10 @@ def run_ranks(world: int, fn, *args):
         rank, payload = queue.get()
         results[rank] = pickle.loads(payload)
         if isinstance(results[rank], RuntimeError):
-            procs.join(timeout=30)  # raises the rank's traceback once it exited (ProcessRaisedException)
+            try:
+                procs.join(timeout=30)  # raises the rank's traceback if it exited by then
+            except Exception as failure:
+                raise results[rank] from failure
             raise results[rank]
     while not procs.join():
         pass
