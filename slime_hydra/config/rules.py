@@ -56,8 +56,8 @@ def check_backend(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"train={t.backend} does not split a model replica by "
                       f"{', '.join(f'{dim}={getattr(t, dim)}' for dim in unsplit)} (it parallelises "
                       f"{'by ' + ', '.join(kind.parallelism) if kind.parallelism else 'over data only'})",
-                      (f"use train={splitting[0]}, or " if splitting else "") + " ".join(f"set train.{dim}=1"
-                                                                                          for dim in unsplit))
+                      (f"use train={splitting[0]}, or " if splitting else "")
+                      + "set " + " ".join(f"train.{dim}=1" for dim in unsplit))
     wanted = (("packing", t.pack_sequences, "train.pack_sequences=true", "set train.pack_sequences=false"),
               ("lora", t.lora.rank > 0, f"train.lora.rank={t.lora.rank}", "set train.lora.rank=0"),
               ("moe", cfg.model.spec.moe, f"model.family={cfg.model.family} (mixture of experts)", None))
