@@ -161,14 +161,16 @@ def test_async_mode_overlaps_and_bounds_staleness(tmp_path):
 
 
 def test_rollout_only_then_train_only_from_the_saved_rollouts(tmp_path):
+    """The train-only run is PPO's, so the loop's critic path (values, GAE, the critic's steps) runs end to end."""
     out = launch(f"output_dir={tmp_path}", "run_name=gen", "num_steps=2", "debug=rollout_only", *SMALL)
     assert out.returncode == 0, out.stderr[-4000:]
     saved = sorted((tmp_path / "gen" / "rollouts").glob("step_*.jsonl"))
     assert len(saved) == 2
     assert all("train/pg_loss" not in r for r in train_rows(tmp_path / "gen"))
     out = launch(f"output_dir={tmp_path}", "run_name=train", "num_steps=2", "debug=train_only",
-                 f"debug.rollout_path={tmp_path / 'gen' / 'rollouts'}", *SMALL)
+                 f"debug.rollout_path={tmp_path / 'gen' / 'rollouts'}", *SMALL, "algo=ppo")
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [m for m in metrics(tmp_path / "train") if "train/pg_loss" in m]
     assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["train/value_loss"] > 0 and r["train/critic_grad_norm"] > 0 for r in rows)  # the critic trained
     assert not (tmp_path / "train" / "logs" / "engine_0.log").exists()    # no engine was started
