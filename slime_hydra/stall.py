@@ -11,7 +11,9 @@ asks every ``POLL_S`` seconds; after ``after_s`` seconds without progress it
    thread) and of each Python process below it on this node, the Ray workers (trainer ranks, the rollout manager,
    the engine actors: Ray titles them ``ray::<Class>.<method running>``) and the engine servers, by ``py-spy dump``
    (installed with Ray; it reads a live process's stacks without stopping it). Ray's daemons, its agents and the
-   router (Rust) are left out; processes on other nodes are not reached (run ``py-spy dump --pid`` there);
+   router (Rust) are left out; processes on other nodes are not reached (run ``py-spy dump --pid`` there), nor,
+   in a joined cluster (RAY_ADDRESS: a SLURM job), the Ray workers of this node, which are the node's children,
+   not the driver's;
 2. writes ``report.txt`` and prints it: the driver's step and phase and the process that phase waits on (``where()``,
    e.g. "step 3, phase rollout: waiting for RolloutManager.generate_batch"), then what the rollout manager says it
    waits on (generations and reward calls in flight and for how long, engines out of service), or that it did not

@@ -1,11 +1,14 @@
 """Shared test set-up: one thread per torch op (2-core machines run several test processes at once), Ray's
 local-cluster settings before any test module imports ray (Ray reads them once, at import), so every test file
-also runs alone, and what the fork server of this test process preloads."""
+also runs alone, what the fork server of this test process preloads, and the Ray node that runs share."""
 
 import multiprocessing
 import os
 
-from slime_hydra.cluster.local_ray import set_local_ray_env
+import pytest
+
+from slime_hydra.cluster.local_ray import LocalRay, set_local_ray_env
+from slime_hydra.config import PROJECT_ROOT
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -19,3 +22,49 @@ method (tests/train/harness.run_ranks' gloo ranks, export.py's) are forked from 
 instead of each importing torch, transformers and megatron-core anew (~10-20 s of CPU a process on the 2-core
 machine). The server has started no threads and touched no device, which is what makes forking it safe."""
 multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+
+
+SHARED_NODE_CPUS = 8
+"""Logical CPUs of the shared node: the largest run of the tests places 4 role processes; the rest is slack for the
+actors of a killed driver while Ray ends them."""
+
+
+@pytest.fixture(scope="session")
+def shared_ray_node(tmp_path_factory):
+    """One Ray node (cluster/local_ray.py, as a run starts its own) that runs join through RAY_ADDRESS, as a run in a
+    SLURM job joins its allocation's cluster: a run that starts its own node spends ~9 s of wall time and ~14 s of
+    CPU on Ray's daemons (docs/benchmarks.md). Its workers get this process's environment, so what a run's
+    processes read from theirs is set here: the model cache of the test session and the project on PYTHONPATH (the
+    tests' rewards and hooks live in tests/)."""
+    cache = str(tmp_path_factory.getbasetemp() / "model_cache")
+    saved = {key: os.environ.get(key) for key in ("SLIME_HYDRA_CACHE", "PYTHONPATH")}
+    os.environ["SLIME_HYDRA_CACHE"] = cache
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), saved["PYTHONPATH"]]))
+    node = LocalRay(SHARED_NODE_CPUS, tmp_path_factory.mktemp("shared_ray") / "ray_start.log")
+    try:
+        node.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    yield node
+    node.stop()
+
+
+@pytest.fixture
+def joined_ray(shared_ray_node, monkeypatch):
+    """RAY_ADDRESS of the shared node in this test's environment: the runs it starts join that node."""
+    monkeypatch.setenv("RAY_ADDRESS", shared_ray_node.address)
+    return shared_ray_node
+
+
+@pytest.fixture(scope="module")
+def ray_driver(shared_ray_node):
+    """This test process as a Ray driver on the shared node, for the tests of one module."""
+    import ray
+
+    ray.init(address=shared_ray_node.address, log_to_driver=False)
+    yield shared_ray_node
+    ray.shutdown()

@@ -67,8 +67,9 @@ def test_real_run_without_ray_variables_in_the_environment(tmp_path):
     assert json.loads((tmp_path / "r" / "run.json").read_text())["outcome"] == "done"
 
 
-def test_real_run_writes_provenance(tmp_path, monkeypatch):
-    """A real run (one tiny step: the loop itself is tested in tests/loop) leaves its provenance."""
+def test_real_run_writes_provenance(tmp_path, monkeypatch, joined_ray):
+    """A real run (one tiny step, on the shared Ray node: the loop itself is tested in tests/loop) leaves its
+    provenance."""
     monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path / "cache"))
     out = launch(f"output_dir={tmp_path}", "run_name=r1", "train.lr=3e-5", *FAST)
     assert out.returncode == 0, out.stderr

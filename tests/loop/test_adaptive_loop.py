@@ -22,10 +22,6 @@ SEED = 1234  # data.seed's default
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
-
 
 def groups(run: Path, step: int) -> list[list[dict]]:
     """The step's samples by group, in group order."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from slime_hydra.config import PROJECT_ROOT
-from tests.loop.test_engine_crash import descendants
+from tests.loop.test_engine_crash import _cmdline, run_processes
 from tests.loop.test_loop import SMALL, train_rows
 
 pytestmark = pytest.mark.slow
@@ -38,10 +38,6 @@ VICTIMS = {  # name -> what its /proc/<pid>/cmdline starts with (Ray sets its wo
     "engine": ("-m slime_hydra.rollout.engines.embedded", None),  # a restart, not a stop
 }
 
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
 
 
 def _command(output_dir: Path) -> list[str]:
@@ -60,19 +56,12 @@ def _prompts_per_step(run: Path) -> list[list[str]]:
     return steps
 
 
-def _find(root: int, prefix: str) -> list[int]:
-    found = []
-    for pid in descendants(root):
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if command.startswith(prefix) or (prefix.startswith("-m ") and prefix in command):
-            found.append(pid)
-    return found
+def _find(pids: list[int], prefix: str) -> list[int]:
+    return [pid for pid in pids if (command := _cmdline(pid)).startswith(prefix)
+            or (prefix.startswith("-m ") and prefix in command)]
 
 
-def test_every_process_killed_at_a_random_moment_loses_and_repeats_nothing(tmp_path):
+def test_every_process_killed_at_a_random_moment_loses_and_repeats_nothing(tmp_path, joined_ray):
     reference = tmp_path / "reference"
     out = subprocess.run(_command(reference), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -101,7 +90,7 @@ def test_every_process_killed_at_a_random_moment_loses_and_repeats_nothing(tmp_p
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 1.0) * step_time)
             prefix, last_words = VICTIMS[victim]
-            pids = [proc.pid] if prefix is None else _find(proc.pid, prefix)
+            pids = [proc.pid] if prefix is None else _find(run_processes(proc.pid, joined_ray, launched), prefix)
             assert len(pids) == 1, f"{victim}: {pids}"
             os.kill(pids[0], signal.SIGKILL)
             log.append(f"{victim} at step {max(r['step'] for r in train_rows(chaos / 'r'))}")

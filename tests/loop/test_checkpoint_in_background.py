@@ -21,10 +21,6 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
-
 
 def _command(output_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={output_dir}", "run_name=r",
@@ -81,6 +77,7 @@ def test_saves_after_every_step_in_the_background_and_a_killed_run_resumes_exact
     assert _prompts_per_step(run) == _prompts_per_step(reference)
 
 
+@pytest.mark.own_ray_node  # HOLD_ENV reaches the trainer rank through the environment of the run's own node
 def test_a_run_killed_while_a_write_is_held_resumes_from_the_previous_complete_checkpoint(reference, tmp_path):
     """The write of checkpoint 4's trainer files is held (the writer waits on a file, HOLD_ENV): the run trains step
     4 meanwhile and then waits at its last save; killed there, ``latest`` still names checkpoint 2, checkpoint 4's

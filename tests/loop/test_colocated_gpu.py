@@ -44,7 +44,7 @@ def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype, offload)
         "rollout.n_samples_per_prompt=8", "train.micro_batch_samples=64", "train.lr=1e-3", "reward.name=random",
         f"output_dir={tmp_path}", "run_name=r", "rollout.eval_every_steps=0"]))
     mean_gate, max_gate = GATES[dtype]
-    node = init_ray(cfg, tmp_path)
+    assert init_ray(cfg, tmp_path) is None  # joined the shared node (tests/loop/conftest.py)
     session = Session(cfg, derive(cfg), tmp_path / "r", resolve_model_path(cfg.model, cfg.data, cfg.seed))
     try:
         assert session.colocated_moves == (offload == "always")
@@ -72,5 +72,3 @@ def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype, offload)
     finally:
         session.close()
         ray.shutdown()
-        if node is not None:
-            node.stop()

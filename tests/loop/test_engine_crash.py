@@ -28,26 +28,40 @@ from tests.loop.test_loop import SMALL, train_rows
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
-
 
 def descendants(root: int) -> list[int]:
-    """``root`` and every process below it (the engine is a subprocess of a Ray worker of the driver)."""
+    """``root`` and every process below it."""
     try:
         return [root] + [p.pid for p in psutil.Process(root).children(recursive=True)]
     except psutil.NoSuchProcess:
         return [root]
 
 
-def engine_pids(root: int) -> list[int]:
-    def cmdline(pid):
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            return ""
-    return [p for p in descendants(root) if "slime_hydra.rollout.engines.embedded" in cmdline(p)]
+def run_processes(driver: int, node, since: float = 0.0) -> list[int]:
+    """The processes of a run: the driver and its children, and the processes of the shared Ray node ``node``
+    (tests/conftest.py; None for a run on its own node, which is the driver's child) started at ``since`` (epoch
+    seconds) or later: Ray's workers and what they started. Ray ends the workers of a killed driver within seconds,
+    so ``since`` keeps those of an earlier run out."""
+    pids = descendants(driver) + ([p for p in descendants(node.proc.pid)[1:] if _started(p) >= since] if node else [])
+    return list(dict.fromkeys(pids))
+
+
+def _started(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return float("inf")
+
+
+def engine_pids(pids: list[int]) -> list[int]:
+    return [p for p in pids if "slime_hydra.rollout.engines.embedded" in _cmdline(p)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 ON_ONE_GPU = ("cluster.gpus_per_node=1", "train.num_gpus=1", "cluster.colocate=true", "rollout.num_gpus=null")
@@ -60,7 +74,7 @@ ON_ONE_GPU = ("cluster.gpus_per_node=1", "train.num_gpus=1", "cluster.colocate=t
     pytest.param("tensor", 1, ON_ONE_GPU, id="cuda_ipc", marks=[
         pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
 ])
-def test_an_engine_killed_mid_run_costs_nothing(tmp_path, weight_sync, engines, placement):
+def test_an_engine_killed_mid_run_costs_nothing(tmp_path, joined_ray, weight_sync, engines, placement):
     args = [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r", "num_steps=5",
             f"train.weight_sync={weight_sync}", *placement, "debug.save_rollouts=true",
             "rollout.health_check_interval_s=0.5", *SMALL]
@@ -72,7 +86,7 @@ def test_an_engine_killed_mid_run_costs_nothing(tmp_path, weight_sync, engines, 
         while not [r for r in train_rows(run) if r["step"] >= 1]:
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
             time.sleep(0.1)
-        pids = engine_pids(proc.pid)
+        pids = engine_pids(run_processes(proc.pid, joined_ray))
         assert len(pids) == engines
         os.kill(pids[0], signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
@@ -99,6 +113,7 @@ def test_an_engine_killed_mid_run_costs_nothing(tmp_path, weight_sync, engines, 
     assert len(prompts) == 20 and len(set(prompts)) == 20  # every step 4 new prompts, none lost or repeated
 
 
+@pytest.mark.own_ray_node
 def test_nothing_of_a_run_outlives_its_driver_killed_with_sigkill(tmp_path):
     """kill -9 of the driver alone (not its process group): the trainer rank, the rollout manager, the engine, the
     router and Ray's daemons and agents end within 30 s."""
@@ -111,7 +126,7 @@ def test_nothing_of_a_run_outlives_its_driver_killed_with_sigkill(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 0"
             time.sleep(0.1)
         run = [p for p in descendants(proc.pid) if p != proc.pid]
-        assert engine_pids(proc.pid) and len(run) >= 5  # Ray's daemons, the actors, the engine, the router
+        assert engine_pids(run) and len(run) >= 5  # Ray's daemons, the actors, the engine, the router
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         killed = time.monotonic()
@@ -134,11 +149,4 @@ def _state(pid: int) -> str:
 
 
 def _names(pids: list[int]) -> list[str]:
-    out = []
-    for pid in pids:
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:80]
-            out.append(f"{pid} {command.decode(errors='replace')}")
-        except OSError:
-            pass
-    return out
+    return [f"{pid} {_cmdline(pid)[:80]}" for pid in pids]

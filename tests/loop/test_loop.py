@@ -25,10 +25,6 @@ SMALL = (*SHAPE, "rollout.eval_every_steps=0")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
-
 
 def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(PROJECT_ROOT / "launch.py"), *args], capture_output=True, text=True,
@@ -128,6 +124,7 @@ def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):
     assert len(set(prompts)) == 24
 
 
+@pytest.mark.own_ray_node
 def test_sigterm_to_the_process_group_checkpoints_and_the_rerun_continues(tmp_path):
     args = [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r", "num_steps=8",
             *SMALL]

@@ -15,10 +15,6 @@ from tests.loop.test_loop import SMALL, launch, rollout_logprob_gap, train_rows
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
-
 
 @pytest.mark.parametrize("backend, replay", [("fsdp", False), ("megatron", True)])
 def test_moe_run_keeps_engine_and_trainer_together(tmp_path, backend, replay):

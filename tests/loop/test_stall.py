@@ -26,11 +26,8 @@ def never_returns(response, label, metadata):
     return 1.0
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
 
-
+@pytest.mark.own_ray_node  # the stacks are those of the processes below the driver: its own node's workers
 def test_a_reward_that_never_returns_is_found_and_stops_the_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))  # the Ray workers import this module for the reward
     args = [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r", "num_steps=3",

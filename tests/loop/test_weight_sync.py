@@ -25,16 +25,6 @@ pytestmark = pytest.mark.slow
 SEQUENCE = [2, 90, 88, 74, 87, 100, 22, 23, 16, 24, 25, 34, 3, 100, 2, 70, 26, 27, 1]
 
 
-@pytest.fixture(scope="module")
-def ray_local(tmp_path_factory):
-    import os
-
-    os.environ["SLIME_HYDRA_CACHE"] = str(tmp_path_factory.getbasetemp() / "model_cache")
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 def engine_logprobs(url: str, api_key: str) -> tuple[list[float], str]:
     async def ask():
         async with SGLangClient(url, api_key=api_key) as client:
@@ -53,11 +43,11 @@ def trainer_logprobs(session: Session) -> list[float]:
     ["train.weight_sync=disk"],
     ["cluster.colocate=true", "rollout.num_gpus=null", "train.weight_sync=tensor"],
 ], ids=["distributed", "disk", "tensor"])
-def test_engine_holds_the_trainer_weights_after_sync(ray_local, tmp_path, overrides):
+def test_engine_holds_the_trainer_weights_after_sync(tmp_path, overrides):
     cfg = to_config(compose(["model.sft_warm_start_steps=0", "rollout.batch_prompts=4",
                              "rollout.n_samples_per_prompt=4", "train.micro_batch_samples=16", f"output_dir={tmp_path}", "run_name=r",
                              "train.lr=1e-3", "reward.name=random", *overrides]))  # random rewards: nonzero advantages
-    node = init_ray(cfg, tmp_path)
+    assert init_ray(cfg, tmp_path) is None  # joined the shared node (tests/loop/conftest.py)
     session = Session(cfg, derive(cfg), Path(tmp_path) / "r", resolve_model_path(cfg.model, cfg.data, cfg.seed))
     try:
         url, key = session.engine_urls[0], read_api_key(session.run_dir)
@@ -75,5 +65,3 @@ def test_engine_holds_the_trainer_weights_after_sync(ray_local, tmp_path, overri
     finally:
         session.close()
         ray.shutdown()
-        if node is not None:
-            node.stop()

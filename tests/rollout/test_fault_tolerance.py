@@ -40,11 +40,9 @@ SHAPE = ("rollout.batch_prompts=8", "rollout.n_samples_per_prompt=4", "rollout.m
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray(tmp_path_factory):
+def local_ray(tmp_path_factory, ray_driver):
+    """The shared Ray node (tests/conftest.py), whose workers read the same model cache."""
     os.environ["SLIME_HYDRA_CACHE"] = str(tmp_path_factory.getbasetemp() / "model_cache")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 async def _engine_info(urls: list[str], api_key: str, lora_path: str | None = None) -> list[dict]:

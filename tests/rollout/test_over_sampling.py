@@ -20,7 +20,6 @@ import pytest
 import ray
 
 from slime_hydra.buffer.sample import Status
-from slime_hydra.config import PROJECT_ROOT
 from slime_hydra.rollout.auth import read_api_key
 from slime_hydra.rollout.generate import default_generate
 from slime_hydra.rollout.client import SGLangClient
@@ -67,12 +66,10 @@ async def reward_after_next(response: str, label, metadata: dict) -> float:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray(tmp_path_factory):
+def local_ray(tmp_path_factory, ray_driver):
+    """The shared Ray node (tests/conftest.py): its workers read the same model cache and import this module (the
+    project is on their PYTHONPATH)."""
     os.environ["SLIME_HYDRA_CACHE"] = str(tmp_path_factory.getbasetemp() / "model_cache")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(PROJECT_ROOT)}})  # the actors import this module
-    yield
-    ray.shutdown()
 
 
 async def _requests_in_flight(urls: list[str], api_key: str) -> list[int]:

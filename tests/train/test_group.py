@@ -1,9 +1,6 @@
 """The train group on real Ray: two rank actors form one gloo group and match a single-process run; how the batch's
 rows are shared over data-parallel ranks."""
 
-import os
-
-import pytest
 import ray
 import torch
 from hypothesis import given, settings, strategies as st
@@ -16,16 +13,7 @@ from tests.train.harness import pg_loss, run_ranks, tiny_checkpoint, toy_batch
 from tests.train.test_fsdp import CFG, _three_steps
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-def test_two_rank_group_trains_like_one_process(ray_local):
+def test_two_rank_group_trains_like_one_process(ray_driver):
     path = tiny_checkpoint()
     expected = run_ranks(1, _three_steps, path, 8, None)[0]
     pg = placement_group([{"CPU": 1}] * 2)
