@@ -32,7 +32,7 @@ actors of a killed driver while Ray ends them."""
 @pytest.fixture(scope="session")
 def shared_ray_node(tmp_path_factory):
     """One Ray node (cluster/local_ray.py, as a run starts its own) that runs join through RAY_ADDRESS, as a run in a
-    SLURM job joins its allocation's cluster: a run that starts its own node spends ~9 s of wall time and ~14 s of
+    SLURM job joins its allocation's cluster: a run that starts its own node spends ~11 s of wall time and ~14 s of
     CPU on Ray's daemons (docs/benchmarks.md). Its workers get this process's environment, so what a run's
     processes read from theirs is set here: the model cache of the test session and the project on PYTHONPATH (the
     tests' rewards and hooks live in tests/)."""

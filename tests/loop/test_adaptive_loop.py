@@ -22,7 +22,6 @@ SEED = 1234  # data.seed's default
 pytestmark = pytest.mark.slow
 
 
-
 def groups(run: Path, step: int) -> list[list[dict]]:
     """The step's samples by group, in group order."""
     by_group: dict[int, list[dict]] = {}

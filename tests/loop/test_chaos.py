@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from slime_hydra.config import PROJECT_ROOT
-from tests.loop.test_engine_crash import _cmdline, run_processes
+from tests.loop.test_engine_crash import cmdline, run_processes
 from tests.loop.test_loop import SMALL, train_rows
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,6 @@ VICTIMS = {  # name -> what its /proc/<pid>/cmdline starts with (Ray sets its wo
     "router": ("sglang::router", "the router (pid"),
     "engine": ("-m slime_hydra.rollout.engines.embedded", None),  # a restart, not a stop
 }
-
 
 
 def _command(output_dir: Path) -> list[str]:
@@ -57,7 +56,7 @@ def _prompts_per_step(run: Path) -> list[list[str]]:
 
 
 def _find(pids: list[int], prefix: str) -> list[int]:
-    return [pid for pid in pids if (command := _cmdline(pid)).startswith(prefix)
+    return [pid for pid in pids if (command := cmdline(pid)).startswith(prefix)
             or (prefix.startswith("-m ") and prefix in command)]
 
 

@@ -21,7 +21,6 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 
 
-
 def _command(output_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={output_dir}", "run_name=r",
             f"num_steps={STEPS}", "debug.save_rollouts=true", *SMALL, *overrides]

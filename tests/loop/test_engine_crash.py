@@ -28,7 +28,6 @@ from tests.loop.test_loop import SMALL, train_rows
 pytestmark = pytest.mark.slow
 
 
-
 def descendants(root: int) -> list[int]:
     """``root`` and every process below it."""
     try:
@@ -54,10 +53,10 @@ def _started(pid: int) -> float:
 
 
 def engine_pids(pids: list[int]) -> list[int]:
-    return [p for p in pids if "slime_hydra.rollout.engines.embedded" in _cmdline(p)]
+    return [p for p in pids if "slime_hydra.rollout.engines.embedded" in cmdline(p)]
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
@@ -149,4 +148,4 @@ def _state(pid: int) -> str:
 
 
 def _names(pids: list[int]) -> list[str]:
-    return [f"{pid} {_cmdline(pid)[:80]}" for pid in pids]
+    return [f"{pid} {cmdline(pid)[:80]}" for pid in pids]

@@ -25,7 +25,6 @@ SMALL = (*SHAPE, "rollout.eval_every_steps=0")
 pytestmark = pytest.mark.slow
 
 
-
 def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(PROJECT_ROOT / "launch.py"), *args], capture_output=True, text=True,
                           timeout=timeout)

@@ -17,7 +17,6 @@ LORA = ("train.lora.rank=8", "train.lora.target_modules=[q_proj,v_proj,down_proj
 pytestmark = pytest.mark.slow
 
 
-
 def _tiny_sizes() -> dict[str, int]:
     """model=tiny's layers; fp32 bytes of its whole state dict and of a rank-8 adapter on q, v and down."""
     from slime_hydra.config import compose, to_config

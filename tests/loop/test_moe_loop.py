@@ -15,7 +15,6 @@ from tests.loop.test_loop import SMALL, launch, rollout_logprob_gap, train_rows
 pytestmark = pytest.mark.slow
 
 
-
 @pytest.mark.parametrize("backend, replay", [("fsdp", False), ("megatron", True)])
 def test_moe_run_keeps_engine_and_trainer_together(tmp_path, backend, replay):
     from slime_hydra import routed_experts

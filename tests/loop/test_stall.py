@@ -26,7 +26,6 @@ def never_returns(response, label, metadata):
     return 1.0
 
 
-
 @pytest.mark.own_ray_node  # the stacks are those of the processes below the driver: its own node's workers
 def test_a_reward_that_never_returns_is_found_and_stops_the_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))  # the Ray workers import this module for the reward
