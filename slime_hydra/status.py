@@ -18,6 +18,7 @@ code its writer put in it, so status reads only JSON and text.
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -178,7 +179,19 @@ def local_state(run_dir: Path) -> tuple[str, str]:
         return "DIED", "the driver is gone without recording an outcome; run the same command to resume"
     if outcome == "preempted":
         return "PREEMPTED", "a checkpoint was written; run the same command to resume"
-    return str(outcome).upper(), record.get("error") or ""
+    return str(outcome).upper(), error_summary(record.get("error") or "")
+
+
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def error_summary(error: str) -> str:
+    """One readable line of the error a run recorded: without terminal colour codes, and for a multi-line error (a
+    Ray actor's traceback) its last line, the exception the actor raised, pointing to run.json for the whole."""
+    lines = [line.strip() for line in ANSI_ESCAPE.sub("", error).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else ""
+    return f"{lines[-1]} (the whole error: {RUN_RECORD})"
 
 
 def _alive(pid: int) -> bool:
@@ -243,6 +256,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                 "run directories (output_dir)")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     args = parser.parse_args(argv)
+    if not args.path.exists():
+        print(f"slime_hydra.status: no runs yet: {args.path} does not exist (launch.py creates it with the first run)",
+              file=sys.stderr)
+        return 1
     if not args.path.is_dir():
         print(f"slime_hydra.status: {args.path} is not a directory", file=sys.stderr)
         return 2

@@ -63,6 +63,20 @@ def test_status_reads_local_runs(tmp_path, capsys):
     assert status.main([str(tmp_path)]) == 0 and "step_000004" in capsys.readouterr().out
     (tmp_path / "empty").mkdir()
     assert status.main([str(tmp_path / "empty")]) == 1 and "no runs" in capsys.readouterr().err
+    assert status.main([str(tmp_path / "runs")]) == 1  # before the first run: no output_dir yet
+    assert "no runs yet: " in capsys.readouterr().err
+
+
+def test_a_failed_runs_reason_is_one_line_without_colour_codes(tmp_path):
+    """A Ray actor's error, as loop.run records it: the exception type, the actor's coloured traceback."""
+    error = ("RayTaskError(ValueError): \x1b[36mray::TrainRank.train_step()\x1b[39m (pid=7, ip=127.0.0.1)\n"
+             "  File \"/x/backend.py\", line 3, in train_step\n    raise ValueError('nan loss')\n"
+             "ValueError: nan loss\n")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "run.json").write_text(json.dumps({"outcome": "failed", "error": error}))
+    assert status.local_state(tmp_path / "r") == ("FAILED", "ValueError: nan loss (the whole error: run.json)")
+    assert status.error_summary("\x1b[31mRuntimeError: boom\x1b[0m") == "RuntimeError: boom"
+    assert status.error_summary("") == ""
 
 
 class RunsCode:
