@@ -30,15 +30,20 @@ actors of a killed driver while Ray ends them."""
 
 
 @pytest.fixture(scope="session")
-def shared_ray_node(tmp_path_factory):
+def model_cache(tmp_path_factory) -> str:
+    """SLIME_HYDRA_CACHE of the test session: the tiny model and its warm starts, built once."""
+    return str(tmp_path_factory.getbasetemp() / "model_cache")
+
+
+@pytest.fixture(scope="session")
+def shared_ray_node(tmp_path_factory, model_cache):
     """One Ray node (cluster/local_ray.py, as a run starts its own) that runs join through RAY_ADDRESS, as a run in a
     SLURM job joins its allocation's cluster: a run that starts its own node spends ~11 s of wall time and ~14 s of
     CPU on Ray's daemons (docs/benchmarks.md). Its workers get this process's environment, so what a run's
     processes read from theirs is set here: the model cache of the test session and the project on PYTHONPATH (the
     tests' rewards and hooks live in tests/)."""
-    cache = str(tmp_path_factory.getbasetemp() / "model_cache")
     saved = {key: os.environ.get(key) for key in ("SLIME_HYDRA_CACHE", "PYTHONPATH")}
-    os.environ["SLIME_HYDRA_CACHE"] = cache
+    os.environ["SLIME_HYDRA_CACHE"] = model_cache
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), saved["PYTHONPATH"]]))
     node = LocalRay(SHARED_NODE_CPUS, tmp_path_factory.mktemp("shared_ray") / "ray_start.log")
     try:
@@ -61,10 +66,13 @@ def joined_ray(shared_ray_node, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def ray_driver(shared_ray_node):
-    """This test process as a Ray driver on the shared node, for the tests of one module."""
+def ray_driver(shared_ray_node, model_cache):
+    """This test process as a Ray driver on the shared node, for the tests of one module, reading the node's model
+    cache."""
     import ray
 
-    ray.init(address=shared_ray_node.address, log_to_driver=False)
-    yield shared_ray_node
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SLIME_HYDRA_CACHE", model_cache)
+        ray.init(address=shared_ray_node.address, log_to_driver=False)
+        yield shared_ray_node
+        ray.shutdown()

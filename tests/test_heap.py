@@ -8,7 +8,6 @@ import ray
 
 from slime_hydra.heap import GcTimes
 from tests.rollout.helpers import manager_config, start_manager
-from tests.rollout.test_fault_tolerance import local_ray  # noqa: F401 -- the same module-wide Ray (autouse)
 
 
 def test_gc_times_count_collections_while_started():
@@ -23,6 +22,7 @@ def test_gc_times_count_collections_while_started():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ray_driver")  # the shared Ray node
 def test_the_rollout_manager_freezes_its_heap_and_reports_its_collections(tmp_path):
     """Once started, the manager's actor process has its long-lived objects (torch, Ray, the tokenizer, the prompt
     set: well over 10,000) frozen, and every batch reports its collections' seconds (perf/rollout_gc_time)."""

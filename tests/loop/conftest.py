@@ -6,7 +6,7 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def _run_environment(request, tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
+def _run_environment(request, model_cache, monkeypatch):
+    monkeypatch.setenv("SLIME_HYDRA_CACHE", model_cache)
     if request.node.get_closest_marker("own_ray_node") is None:
         request.getfixturevalue("joined_ray")

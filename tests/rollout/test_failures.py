@@ -10,9 +10,8 @@ import ray
 from slime_hydra.rollout.engines.process import last_traceback
 from slime_hydra.rollout.generate import default_generate
 from tests.rollout.helpers import manager_config, start_manager
-from tests.rollout.test_fault_tolerance import local_ray  # noqa: F401 -- the same module-wide Ray (autouse)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_driver")]  # the shared Ray node
 SHAPE = ("rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_tokens=4")
 
 

@@ -33,16 +33,12 @@ from slime_hydra.rollout.engines.embedded.server import read_checkpoint
 from slime_hydra.weight_transport import dtype_name
 from tests.rollout.helpers import manager_config, start_manager
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_driver")]  # the shared Ray node
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = ("rollout.batch_prompts=8", "rollout.n_samples_per_prompt=4", "rollout.max_response_tokens=128",
          "rollout.health_check_interval_s=0.5")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray(tmp_path_factory, ray_driver):
-    """The shared Ray node (tests/conftest.py), whose workers read the same model cache."""
-    os.environ["SLIME_HYDRA_CACHE"] = str(tmp_path_factory.getbasetemp() / "model_cache")
 
 
 async def _engine_info(urls: list[str], api_key: str, lora_path: str | None = None) -> list[dict]:

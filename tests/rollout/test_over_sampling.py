@@ -13,7 +13,6 @@ dropped. Either way no request is left on an engine.
 """
 
 import asyncio
-import os
 import time
 
 import pytest
@@ -25,7 +24,7 @@ from slime_hydra.rollout.generate import default_generate
 from slime_hydra.rollout.client import SGLangClient
 from tests.rollout.helpers import manager_config, start_manager
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_driver")]  # the shared Ray node
 SHAPE = ("rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2", "rollout.over_sampling_batch_prompts=6",
          "rollout.max_response_tokens=160", "rollout.max_concurrency_per_engine=1",
          "rollout.health_check_interval_s=0",
@@ -65,11 +64,6 @@ async def reward_after_next(response: str, label, metadata: dict) -> float:
     return float(len(response) % 2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray(tmp_path_factory, ray_driver):
-    """The shared Ray node (tests/conftest.py): its workers read the same model cache and import this module (the
-    project is on their PYTHONPATH)."""
-    os.environ["SLIME_HYDRA_CACHE"] = str(tmp_path_factory.getbasetemp() / "model_cache")
 
 
 async def _requests_in_flight(urls: list[str], api_key: str) -> list[int]:
