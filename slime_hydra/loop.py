@@ -32,8 +32,8 @@ phase).
 Checkpoints (checkpoint.py): every ``save_every_steps`` steps or ``save_every_minutes``, at the end, and on SIGTERM,
 SIGUSR1 or SIGUSR2 (preempt.py; the step in progress finishes and is saved, ``run`` returns ``"preempted"``, a SLURM
 job requeues itself). The trainer ranks write theirs in the background (``checkpoint_in_background``); ``latest``
-moves at a later step boundary, once every file is on disk. ``resume=auto`` continues from it: the trainer state,
-the prompt cursor, the buffer, the tracking step and, in async mode, the rollout generated for the next step.
+moves at a later step boundary, once every file is on disk and in the manifest. ``resume=auto`` continues from the
+newest intact one: trainer state, prompt cursor, buffer, tracking step and (async mode) the next step's rollout.
 
 Debug modes: ``debug.mode=rollout_only`` generates and scores (saving every batch with ``debug.save_rollouts``)
 and never trains; ``train_only`` trains from the batches an earlier run saved (``debug.rollout_path``) and starts
@@ -54,7 +54,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from slime_hydra import preempt
 from slime_hydra.buffer.rollout_files import load_saved_rollout, save_rollout
 from slime_hydra.buffer.sample import Sample
-from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, complete, export_dir, find_resume, write_json
+from slime_hydra.checkpoint import RUN_RECORD, Checkpoints, export_dir
+from slime_hydra.durable import write_json
 from slime_hydra.cluster.local_ray import LocalRay, connect, death_report
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import plan_memory
@@ -81,7 +82,7 @@ PHASE_WAITS_ON = {
     "train": "the trainer ranks (TrainRank.train_step)",
     "weight_sync": "the trainer ranks and the engines (the weight sync)",
     "eval": "the rollout manager (RolloutManager.evaluate)",
-    "checkpoint": "the trainer ranks (saving, or finishing a background write) and the rollout manager (its state)",
+    "checkpoint": "the trainer ranks (saving, a background write), the rollout manager, the driver's checksums",
     None: "nobody: the driver itself works between phases",
 }
 """Whom the driver waits on in each phase of tracking/phases.py, for the stall doctor's report."""
@@ -152,6 +153,8 @@ class Session:
     """The step being timed, phase by phase (tracking/phases.py)."""
     doctor: Optional[StallDoctor]
     """Watches for a run that stopped moving (stall.py)."""
+    checkpoints: Checkpoints
+    """Where the run resumes from, a folder for each save, and its completion (checkpoint.py)."""
 
     def __init__(self, cfg: SlimeConfig, d: Derived, run_dir: Path, model_path: Path):
         self.cfg, self.d, self.run_dir, self.model_path = cfg, d, run_dir, model_path
@@ -160,7 +163,8 @@ class Session:
         self.engine_urls: list[str] = []
         tokenizer = load_tokenizer(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        self.resume_from = find_resume(cfg.resume, run_dir)
+        self.checkpoints = Checkpoints(run_dir, cfg.keep_checkpoints)
+        self.resume_from = self.checkpoints.resume_from(cfg.resume)  # verified; what never will be is set aside
         self.placement()
         together = not (self.on_gpu and cfg.cluster.colocate)  # see start_rollout
         rollout = self.start_rollout() if self.debug != "train_only" and together else None
@@ -193,11 +197,9 @@ class Session:
 
     @property
     def cpu_threads(self) -> int | None:
-        """CPU-only machine, sync mode: trainer and engines take turns, so each may use every core while it works.
-        Otherwise (GPUs, or async overlap) each process keeps the CPUs Ray assigned it."""
-        if self.on_gpu or self.cfg.mode == "async" or os.environ.get("RAY_ADDRESS"):
-            return None
-        return os.cpu_count()
+        """CPU-only, sync: trainer and engines take turns, each on every core while it works; else Ray's CPUs."""
+        on_ray_cpus = self.on_gpu or self.cfg.mode == "async" or os.environ.get("RAY_ADDRESS")
+        return None if on_ray_cpus else os.cpu_count()
 
     def start_trainer(self) -> None:
         from slime_hydra.train.group import TrainGroup
@@ -403,9 +405,7 @@ class Session:
         return metrics
 
     def evaluate(self) -> dict:
-        if self.manager is None:
-            return {}
-        return ray.get(self.manager.evaluate.remote())
+        return ray.get(self.manager.evaluate.remote()) if self.manager is not None else {}
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.rollout.eval_every_steps
@@ -424,8 +424,7 @@ class Session:
         memory and write it in the background (``checkpoint_in_background``; else before they return), rollout.json
         and loop.json of the same step are written now; ``latest`` moves in ``finish_save`` (now, with ``wait``)."""
         self.finish_save(wait=True)
-        ckpt = checkpoint_dir(self.run_dir, self.step)
-        ckpt.mkdir(parents=True, exist_ok=True)
+        ckpt = self.checkpoints.begin(self.step)
         for role, group in (("actor", self.trainer), ("critic", self.critic)):
             if group is not None:
                 (ckpt / role).mkdir(exist_ok=True)
@@ -442,19 +441,19 @@ class Session:
             self.finish_save(wait=True)
 
     def finish_save(self, wait: bool = False) -> None:
-        """Once every trainer rank's files of ``self.saving`` (the checkpoint being written) are on disk (polled;
-        ``wait``: block until then), point ``latest`` at it (checkpoint.complete); the slowest rank's background
-        write time (s) is added to ``self.write_time``, the step's metric. A write that failed raises here."""
+        """Once every trainer rank's files of ``self.saving`` are on disk, complete it in a thread (checksums,
+        manifest, ``latest``, prune: checkpoint.Checkpoints.complete); both polled (``wait``: block until done). The
+        slowest rank's write time (s) is added to ``self.write_time``, the step's metric. A failure raises here."""
         if self.saving is None:
             return
-        if self.cfg.checkpoint_in_background:
+        if self.cfg.checkpoint_in_background and not self.checkpoints.completing(self.saving):
             times = [t for g in (self.trainer, self.critic) if g is not None for t in g.call("save_finished", wait)]
             if None in times:
                 return
             if times:
                 self.write_time = (self.write_time or 0.0) + max(times)
-        complete(self.run_dir, self.saving, self.cfg.keep_checkpoints)
-        self.saving = None
+        if self.checkpoints.complete(self.saving, wait):
+            self.saving = None
 
     def export(self) -> None:
         """The final policy as an HF checkpoint in ``<run_dir>/export/step_<N>`` (``export_at_end``): merged weights,

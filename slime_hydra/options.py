@@ -28,6 +28,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import textwrap
 import typing
 from dataclasses import dataclass
@@ -105,6 +106,8 @@ class Range:
     """True: the value must be < high (else <= high)."""
 
     def contains(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             return False
         return self.high is None or (value < self.high if self.high_open else value <= self.high)
@@ -189,6 +192,10 @@ def domain_problems(cfg: Any, prefix: str = "") -> Iterator[Problem]:
     what each schema's ``check`` method finds."""
     for key, f, value in _leaves(cfg, prefix):
         domain = f.metadata.get("domain")
+        if _non_finite(value):
+            yield Problem((key,), f"is {value!r}: every number must be finite", f"set {key} to a finite number"
+                          + (f" ({domain.text})" if isinstance(domain, Range) else ""))
+            continue
         if domain is None or value is None:
             continue
         if isinstance(domain, Choice):
@@ -203,6 +210,17 @@ def domain_problems(cfg: Any, prefix: str = "") -> Iterator[Problem]:
         check = getattr(schema, "check", None)
         if check is not None:
             yield from check(schema_prefix)
+
+
+def _non_finite(value: Any) -> bool:
+    """A float (or a list / dict holding one) that is NaN or infinite: YAML's .nan / .inf parse as floats."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return any(_non_finite(v) for v in value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    return False
 
 
 def counts_hold(cfg: Any) -> bool:

@@ -22,10 +22,12 @@ MAX_SECONDS = 20.0
 """Seconds a scan takes at most (checked every 1,000 rows)."""
 
 
-def dataset_files(cfg: SlimeConfig) -> list[tuple[str, str]]:
-    """(config key, path) of every dataset file the run reads."""
-    files = [("data.path", cfg.data.path)] + [(f"data.eval.{i}.path", e.path) for i, e in enumerate(cfg.data.eval)]
-    return [(key, path) for key, path in files if path is not None]
+def dataset_files(cfg: SlimeConfig) -> list[tuple[str, str, int, Optional[int]]]:
+    """(config key, path, row_start, row_end) of every dataset file the run reads: the rows it reads of each."""
+    d = cfg.data
+    files = [("data.path", d.path, d.row_start, d.row_end)] + [
+        (f"data.eval.{i}.path", e.path, 0, e.max_prompts) for i, e in enumerate(d.eval)]
+    return [file for file in files if file[1] is not None]
 
 
 def _tokenizer(cfg: SlimeConfig):
@@ -41,23 +43,40 @@ def _tokenizer(cfg: SlimeConfig):
     return None
 
 
-def check_datasets(cfg: SlimeConfig, notes: Optional[list[str]] = None) -> Iterator[Problem]:
-    """Problems of the dataset files that exist here; what the run will skip or drop goes to ``notes``."""
+def check_datasets(cfg: SlimeConfig, notes: Optional[list[str]] = None,
+                   first_rows: Optional[dict[str, tuple]] = None) -> Iterator[Problem]:
+    """Problems of the dataset files that exist here; what the run will skip or drop goes to ``notes``, and the
+    first well-formed row of each file to ``first_rows`` (key -> (prompt, label, metadata))."""
     from slime_hydra.data.dataset import scan_prompt_file
 
-    present = [(key, path) for key, path in dataset_files(cfg) if Path(path).is_file()]
+    present = [file for file in dataset_files(cfg) if Path(file[1]).is_file()]
     if not present:
         return
     tokenizer = _tokenizer(cfg)
-    for key, path in present:
+    for key, path, row_start, row_end in present:
         try:
-            report = scan_prompt_file(path, cfg.data, tokenizer, max_rows=MAX_ROWS, max_seconds=MAX_SECONDS)
+            report = scan_prompt_file(path, cfg.data, tokenizer, row_start=row_start, row_end=row_end,
+                                      max_rows=MAX_ROWS, max_seconds=MAX_SECONDS)
         except (OSError, ValueError) as error:
             yield Problem((key,), f"{path} cannot be read: {type(error).__name__}: {error}",
                           f"point {key} at a readable .jsonl or .parquet file")
             continue
-        covered = (f"all {report.rows} rows" if report.complete
-                   else f"the first {report.rows} rows (a bounded scan: {report.seconds:.0f} s)")
+        if report.first is not None and first_rows is not None:
+            first_rows[key] = report.first
+        sliced = f" [{row_start}, {row_end if row_end is not None else 'end'})" if row_start or row_end else ""
+        covered = (f"all {report.rows} rows{sliced}" if report.complete
+                   else f"the first {report.rows} rows{sliced} (a bounded scan: {report.seconds:.0f} s)")
+        if report.complete and not report.rows:
+            yield Problem((key, *(("data.row_start", "data.row_end") if sliced and key == "data.path" else ())),
+                          f"{path} has no rows{' in' + sliced if sliced else ''}: the run would have no prompts",
+                          f"point {key} at a file with prompts" + (", or widen data.row_start / data.row_end"
+                                                                    if sliced and key == "data.path" else ""))
+            continue
+        if report.complete and report.num_bad == report.rows and cfg.data.on_bad_line == "skip":
+            yield Problem((key, "data.on_bad_line"),
+                          f"every one of the {report.rows} rows{sliced} of {path} is malformed: the run would skip "
+                          f"them all, e.g. {report.bad[0]}", f"fix the rows, or point {key} at another file")
+            continue
         speed = f"{report.rows / max(report.seconds, 1e-9):,.0f} rows/s"
         if report.num_bad and cfg.data.on_bad_line == "error":
             listed = "\n      ".join(report.bad)
@@ -78,7 +97,7 @@ def check_datasets(cfg: SlimeConfig, notes: Optional[list[str]] = None) -> Itera
         elif notes is not None:
             notes.append(f"{key}: {path}: scanned {covered} ({speed}); prompt lengths not counted (the tokenizer "
                          f"at model.path is not here)")
-        if tokenizer is not None and report.rows and report.too_long == report.rows - report.num_bad:
+        if tokenizer is not None and report.rows > report.num_bad and not report.usable:
             yield Problem((key, "data.max_prompt_tokens"),
                           f"every prompt of {path} in {covered} is longer than data.max_prompt_tokens="
                           f"{cfg.data.max_prompt_tokens} (longest {report.longest_prompt_tokens}): none would be left",

@@ -1,16 +1,21 @@
-"""Checks that read the filesystem: the checkpoint and dataset paths a run will open.
+"""Checks that read the filesystem: the checkpoint and dataset paths a run will open, and the folder it writes.
 
 Kept apart from config/rules.py because recipes name shared-storage paths that exist only on the cluster: a dry
-run reports these as warnings, a real run (or a submission, from a login node that sees shared storage) refuses.
-When ``model.path`` holds a ``config.json``, its architecture must match the chosen model option, since
-validation reasoned with the option's numbers.
+run of a SLURM config reports these as warnings, a real run (or a submission, from a login node that sees shared
+storage), or any launch on this machine, refuses. When ``model.path`` holds a ``config.json``, its architecture
+must match the chosen model option, since validation reasoned with the option's numbers. ``output_dir`` must be a
+directory this process can create files in (or one it can create): a file is made there and removed, because
+permission bits do not say what a read-only mount or root squashing on shared storage refuses.
 """
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
 from slime_hydra.options import Problem
+from slime_hydra.config.datasets import dataset_files
 from slime_hydra.config.schema import SlimeConfig
 
 NOT_COMPARED = ("tie_word_embeddings", "rope_theta")
@@ -25,11 +30,36 @@ def check_files(cfg: SlimeConfig) -> Iterator[Problem]:
         elif not (path / "config.json").is_file():
             yield Problem(("model.path",), f"{path} has no config.json", "point model.path at an HF checkpoint dir")
         else:
-            yield from _compare_architecture(cfg, json.loads((path / "config.json").read_text()))
-    datasets = [("data.path", cfg.data.path)] + [(f"data.eval.{i}.path", e.path) for i, e in enumerate(cfg.data.eval)]
-    for key, value in datasets:
-        if value is not None and not Path(value).is_file():
+            try:
+                hf = json.loads((path / "config.json").read_text())
+                if not isinstance(hf, dict) or not isinstance(hf.get("text_config", {}), dict):
+                    raise ValueError(f"a JSON object with a text_config object is expected, got {type(hf).__name__}")
+            except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                yield Problem(("model.path",), f"{path}/config.json cannot be read: {type(error).__name__}: {error}",
+                              "point model.path at an intact HF checkpoint dir")
+            else:
+                yield from _compare_architecture(cfg, hf)
+    for key, value, _, _ in dataset_files(cfg):
+        if not Path(value).is_file():
             yield Problem((key,), f"{value} does not exist", f"set {key} to an existing .jsonl or .parquet file")
+    yield from _check_output_dir(cfg.output_dir)
+
+
+def _check_output_dir(output_dir: str) -> Iterator[Problem]:
+    """output_dir is (or can become) a folder a file can be created in; the folders it would create are not made."""
+    path = Path(output_dir).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    fix = "set output_dir to a writable directory (e.g. output_dir=$HOME/runs)"
+    if not existing.is_dir():
+        yield Problem(("output_dir",), f"{existing} is a file, not a directory, so {path} cannot be made", fix)
+        return
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".slime_hydra_probe_")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        yield Problem(("output_dir",), f"{existing} cannot hold a new file ({error.strerror})"
+                      + (f", so {path} cannot be made" if existing != path else ""), fix)
 
 
 def _compare_architecture(cfg: SlimeConfig, hf: dict) -> Iterator[Problem]:

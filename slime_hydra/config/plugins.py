@@ -9,9 +9,17 @@ naming the key and the import error, instead of inside a Ray actor half a minute
     cluster.job_body      cluster.scheduler=slurm      fn(cfg, run_dir)
 
 Importing runs the module's top level, as the run would; ``dotted.import_callable`` is the one importer.
+
+``check_reward_call`` then calls a custom reward once on a real row of the run's data, the way the rollout does
+(``reward/scorer.RewardScorer``, a group of ``rollout.n_samples_per_prompt``), with the row's label as the
+response: an exception, a value that is not a finite number, or a dict without ``reward.reward_key`` is refused
+here rather than at the first scored group.
 """
 
+import asyncio
 import inspect
+import math
+import traceback
 from typing import Any, Callable, Iterator, Optional
 
 from slime_hydra.config.schema import SlimeConfig
@@ -63,3 +71,67 @@ def _signature_problem(fn: Callable, arity: int, must_be_async: bool) -> Optiona
 
 def _is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def check_reward_call(cfg: SlimeConfig, first_rows: dict[str, tuple]) -> Iterator[Problem]:
+    """reward=custom called once on the first row of the training data (``first_rows["data.path"]``, as
+    config/datasets.check_datasets found it, or the task's first row); nothing for the built-in and remote rewards."""
+    if cfg.reward.name != "custom":
+        return
+    row = first_rows.get("data.path") or _first_task_row(cfg)
+    if row is None:
+        return
+    from slime_hydra.reward.scorer import RewardScorer
+
+    _, label, metadata = row
+    response = "" if label is None else str(label)
+    n = cfg.rollout.n_samples_per_prompt
+    called = f"{cfg.reward.target}({response[:40]!r}, label={label!r:.60}, metadata)"
+    scorer = None
+    try:
+        scorer = RewardScorer(cfg.reward)
+        rewards = asyncio.run(asyncio.wait_for(scorer.score_group([response] * n, [label] * n, [metadata] * n),
+                                               cfg.reward.timeout_s + 5))
+    except (Exception, SystemExit) as error:
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        yield Problem(("reward.target",), f"{called} on the data's first row raised {type(error).__name__}: "
+                      f"{error}{where}", "make it return a float (or a dict and reward.reward_key) for every response")
+        return
+    finally:
+        if scorer is not None:
+            scorer.pool.shutdown(wait=False, cancel_futures=True)
+    if scorer.timeouts:
+        yield Problem(("reward.target", "reward.timeout_s"), f"{called} took over reward.timeout_s="
+                      f"{cfg.reward.timeout_s} s on the data's first row: the run would score such responses 0",
+                      "make it faster, or raise reward.timeout_s")
+        return
+    value, key = rewards[0], cfg.reward.reward_key
+    if isinstance(value, dict) and key not in value:
+        yield Problem(("reward.reward_key", "reward.target"), f"{called} returned a dict with keys {sorted(value)}, "
+                      f"and reward.reward_key={key} names none of them",
+                      f"set reward.reward_key to the key of the scalar (one of {', '.join(map(str, value))})")
+        return
+    scalar = value[key] if isinstance(value, dict) else value
+    try:
+        finite = math.isfinite(float(scalar))
+    except (TypeError, ValueError):
+        finite = False
+    if not finite:
+        yield Problem(("reward.target",), f"{called} returned {value!r:.80} on the data's first row"
+                      + (f" (reward.reward_key={key})" if isinstance(value, dict) else ""),
+                      "return a finite float (or a dict whose reward.reward_key holds one)")
+
+
+def _first_task_row(cfg: SlimeConfig) -> Optional[tuple]:
+    """(prompt, label, metadata) of the built-in task's first training row, or None without one."""
+    if cfg.data.path is not None or cfg.data.task is None:
+        return None
+    from slime_hydra.data.dataset import task_levels
+    from slime_hydra.data.tasks import Environment, get_task
+
+    task = get_task(cfg.data.task)
+    rows = (task.rows("train", seed=cfg.data.seed, levels=task_levels(cfg.data, "train"))
+            if isinstance(task, Environment) else task.rows("train", seed=cfg.data.seed))
+    row = rows[0]
+    return row["prompt"], row.get("label"), row.get("metadata") or {}

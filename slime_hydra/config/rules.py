@@ -231,6 +231,11 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"{why} compares samples of one prompt, so it needs rollout.n_samples_per_prompt > 1 "
                       f"(got {cfg.rollout.n_samples_per_prompt})",
                       "set rollout.n_samples_per_prompt=8 (or more)")
+    if group_based and cfg.rollout.temperature == 0 and cfg.rollout.n_samples_per_prompt > 1:
+        yield Problem(("rollout.temperature", "algo.advantage_estimator"),
+                      f"rollout.temperature=0 samples greedily, so the {cfg.rollout.n_samples_per_prompt} responses "
+                      "of a prompt are the same and their group-relative advantages are 0: nothing is learned",
+                      "set rollout.temperature=1.0 (or at least above 0)")
     if a.routing_replay and not cfg.model.is_moe:
         yield Problem(("algo.routing_replay", "model.num_experts"), f"routing replay replays the experts a MoE "
                       f"model's routers chose; model={cfg.model.name} is dense", "set algo.routing_replay=false")
@@ -240,6 +245,28 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       "/generate bodies it forwards)", f"use rollout="
                       f"{next(k.name for k in ENGINE_KINDS.values() if k.routed_experts)}, or set "
                       "algo.routing_replay=false")
+
+
+def check_paths(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    """No path starts with '~': only a shell expands it (not YAML, nor a quoted override), and the run would make or
+    look for a folder literally called '~' in the working directory."""
+    paths = [("model.path", cfg.model.path), ("data.path", cfg.data.path), ("output_dir", cfg.output_dir),
+             ("debug.rollout_path", cfg.debug.rollout_path), ("resume", cfg.resume)]
+    paths += [(f"data.eval.{i}.path", e.path) for i, e in enumerate(cfg.data.eval)]
+    for key, value in paths:
+        if value is not None and value.startswith("~"):
+            yield Problem((key,), f"{value!r} starts with '~', which nothing expands here",
+                          f"write the path in full: {key}=$HOME{value[1:] if value.startswith('~/') else '/...'}")
+
+
+def check_schedule(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    """The learning-rate warmup ends inside the run (its optimizer steps: num_steps x optimizer_steps_per_rollout)."""
+    total = cfg.num_steps * d.optimizer_steps_per_rollout
+    if cfg.train.lr_warmup_steps >= total:
+        yield Problem(("train.lr_warmup_steps", "num_steps"),
+                      f"the warmup ({cfg.train.lr_warmup_steps} optimizer steps) does not end within the run's {total} "
+                      f"(num_steps={cfg.num_steps} x {d.optimizer_steps_per_rollout} per rollout): the learning rate "
+                      f"never reaches train.lr", f"set train.lr_warmup_steps below {total}, or raise num_steps")
 
 
 def check_lora(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -318,7 +345,7 @@ def _divisor_near(n: int, target: int) -> int:
 
 RULES: tuple[Callable[[SlimeConfig, Derived], Iterator[Problem]], ...] = (
     check_batch, check_parallelism, check_backend, check_rollout, check_placement, check_lengths, check_algo,
-    check_tasks, check_lora, check_memory,
+    check_tasks, check_lora, check_schedule, check_paths, check_memory,
 )
 
 

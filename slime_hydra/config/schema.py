@@ -85,7 +85,12 @@ class SlimeConfig:
     on_stall: str = choice("stop", ON_STALL)
     """stop (end the run with that report) | wait (keep waiting; report again after every further period)."""
     resume: str = "auto"
-    """auto (continue from the newest checkpoint in the run dir, if any) | never | a checkpoint directory."""
+    """auto (continue from the newest checkpoint in the run dir, if any) | never (a fresh run; in a run dir that holds
+    a run, the next free <run dir>-<n> beside it) | a checkpoint directory."""
+    resume_allow_changes: bool = False
+    """A resume may change the schedule, model, data or algorithm of the run it continues: the changed keys and the
+    learning rate's jump are printed. false refuses such a resume with that list (launch/resume.py: FREE_ON_RESUME
+    are the keys that may always change)."""
     output_dir: str = "runs"
     """Parent directory of run directories (relative to where launch.py is started)."""
     run_name: Optional[str] = None

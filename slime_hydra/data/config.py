@@ -1,5 +1,6 @@
 """Data group schema: where prompts come from and how they become token ids."""
 
+import re
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
 
@@ -109,6 +110,9 @@ class DataConfig:
     """Shuffle seed."""
     on_bad_line: str = choice("error", ON_BAD_LINE)
     """error: stop at a malformed row naming file and line | skip: skip it and count it."""
+    max_row_bytes: int = positive(1 << 20)
+    """A JSONL line longer than this many bytes is a malformed row (too_large), never read whole: one hostile line
+    cannot exhaust memory (a 60 MB line once grew a scan to 18 GB). Raise it for rows that inline images."""
     eval: List[EvalDataConfig] = field(default_factory=list)
     """Eval datasets, each with its own sampling settings."""
 
@@ -143,6 +147,14 @@ class DataConfig:
                               f"min_level={self.adaptive.min_level} is above the highest level of "
                               + ", ".join(f"{t} ({MAX_LEVELS[t]})" for t in low),
                               f"lower {prefix}adaptive.min_level")
+        names = [e.name for e in self.eval]
+        for i, name in enumerate(names):
+            if not re.fullmatch(r"[\w.+=,@-]+", name) or set(name) == {"."}:
+                yield Problem((f"{prefix}eval.{i}.name",), f"{name!r} is not a plain name (letters, digits and . _ - + = "
+                              ", @): it names the metrics eval/<name>/...", f"set {prefix}eval.{i}.name=heldout")
+            elif name in names[:i]:
+                yield Problem((f"{prefix}eval.{i}.name",), f"two eval sets are called {name!r}: the second's metrics "
+                              "would overwrite the first's", f"give {prefix}eval.{i}.name another name")
         if self.row_end is not None and self.row_end <= self.row_start:
             yield Problem((f"{prefix}row_start", f"{prefix}row_end"),
                           f"row_end={self.row_end} must be after row_start={self.row_start}")

@@ -27,10 +27,26 @@ from typing import Any, Iterator, Optional
 
 from slime_hydra.data.config import MAX_LEVELS, ON_BAD_LINE, DataConfig, EvalDataConfig
 
-BAD_REASONS = ("blank_line", "invalid_json", "missing_key", "wrong_type", "template_error")
+BAD_REASONS = ("blank_line", "invalid_json", "not_utf8", "too_large", "missing_key", "wrong_type", "template_error")
 """Reasons a row is skipped, the keys of DatasetStats.skipped."""
 _EXAMPLES_KEPT = 5
 _ENCODE_CHUNK = 1024
+"""Rows tokenized in one call at most ..."""
+_ENCODE_CHARS = 1 << 22
+"""... and characters (4 Mi): a tokenizer call holds ~300 bytes per character at its peak."""
+
+
+def _chunks(texts: list[str]) -> Iterator[tuple[int, int]]:
+    """[start, stop) ranges of ``texts`` to tokenize at once: at most _ENCODE_CHUNK rows and, but for a single
+    longer text, _ENCODE_CHARS characters."""
+    start, chars = 0, 0
+    for i, text in enumerate(texts):
+        if i > start and (i - start >= _ENCODE_CHUNK or chars + len(text) > _ENCODE_CHARS):
+            yield start, i
+            start, chars = i, 0
+        chars += len(text)
+    if start < len(texts):
+        yield start, len(texts)
 
 
 class BadLineError(ValueError):
@@ -132,7 +148,7 @@ def load_prompts(cfg: DataConfig, tokenizer) -> PromptDataset:
             cfg.path, tokenizer, prompt_key=cfg.prompt_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
             tools_key=cfg.tools_key, apply_chat_template=cfg.apply_chat_template,
             max_prompt_tokens=cfg.max_prompt_tokens, row_start=cfg.row_start, row_end=cfg.row_end,
-            on_bad_line=cfg.on_bad_line)
+            on_bad_line=cfg.on_bad_line, max_row_bytes=cfg.max_row_bytes)
     return _load_task(cfg, tokenizer, "train", cfg.row_start, cfg.row_end)
 
 
@@ -143,7 +159,7 @@ def load_eval_prompts(eval_cfg: EvalDataConfig, cfg: DataConfig, tokenizer) -> P
             eval_cfg.path, tokenizer, prompt_key=cfg.prompt_key, label_key=cfg.label_key,
             metadata_key=cfg.metadata_key, tools_key=cfg.tools_key, apply_chat_template=cfg.apply_chat_template,
             max_prompt_tokens=cfg.max_prompt_tokens, row_start=0, row_end=eval_cfg.max_prompts,
-            on_bad_line=cfg.on_bad_line)
+            on_bad_line=cfg.on_bad_line, max_row_bytes=cfg.max_row_bytes)
     return _load_task(cfg, tokenizer, "eval", 0, eval_cfg.max_prompts)
 
 
@@ -188,7 +204,8 @@ def sft_levels(cfg: DataConfig) -> Optional[list[int]]:
 def load_prompt_file(path: str, tokenizer, *, prompt_key: str = "prompt", label_key: str = "label",
                      metadata_key: Optional[str] = None, tools_key: Optional[str] = None,
                      apply_chat_template: bool = True, max_prompt_tokens: Optional[int] = None, row_start: int = 0,
-                     row_end: Optional[int] = None, on_bad_line: str = "error") -> PromptDataset:
+                     row_end: Optional[int] = None, on_bad_line: str = "error",
+                     max_row_bytes: int = 1 << 20) -> PromptDataset:
     """Load a .jsonl or .parquet prompt file (see the module docstring for row rules and counting).
 
     max_prompt_tokens: prompts with more tokens than this are dropped and counted; None keeps all.
@@ -197,7 +214,7 @@ def load_prompt_file(path: str, tokenizer, *, prompt_key: str = "prompt", label_
     """
     suffix = Path(path).suffix.lower()
     if suffix == ".jsonl":
-        raw, unit = _jsonl_rows(path, row_start, row_end), "line"
+        raw, unit = _jsonl_rows(path, row_start, row_end, max_row_bytes), "line"
     elif suffix == ".parquet":
         raw, unit = _parquet_rows(path, row_start, row_end), "row"
     else:
@@ -222,22 +239,49 @@ def _check_slice(row_start: int, row_end: Optional[int]) -> None:
         raise ValueError(f"data.row_start={row_start}, data.row_end={row_end}: need 0 <= row_start <= row_end")
 
 
-def _jsonl_rows(path: str, row_start: int, row_end: Optional[int]) -> Iterator[tuple[int, Any, Optional[tuple]]]:
-    """(row, parsed value or None, (reason, detail) or None) for each line in the slice."""
+def _lines(f, max_bytes: int) -> Iterator[Optional[bytes]]:
+    """Each line of the binary file ``f`` (without its newline), or None for a line over ``max_bytes``, which is
+    read past in 1 MiB pieces and never held whole. ``for line in f`` would hold a whole line, however long."""
+    while True:
+        line = f.readline(max_bytes + 1)
+        if not line:
+            return
+        if line.endswith(b"\n") or len(line) <= max_bytes:
+            yield line.rstrip(b"\n")
+            continue
+        while line and not line.endswith(b"\n"):
+            line = f.readline(1 << 20)
+        yield None
+
+
+def _jsonl_rows(path: str, row_start: int, row_end: Optional[int],
+                max_row_bytes: int = 1 << 20) -> Iterator[tuple[int, Any, Optional[tuple]]]:
+    """(row, parsed value or None, (reason, detail) or None) for each line in the slice; lines are read at most
+    ``max_row_bytes`` at a time (data.max_row_bytes)."""
     _check_slice(row_start, row_end)
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(_lines(f, max_row_bytes)):
             if i < row_start:
                 continue
             if row_end is not None and i >= row_end:
                 break
+            if raw is None:
+                yield i, None, ("too_large", f"longer than data.max_row_bytes={max_row_bytes:,} bytes (raise it, or "
+                                             "shorten the row)")
+                continue
+            try:
+                line = raw.decode("utf-8-sig" if i == 0 else "utf-8")  # a byte-order mark may open the file
+            except UnicodeDecodeError as e:
+                yield i, None, ("not_utf8", f"not UTF-8 (byte {e.start + 1}: {raw[e.start:e.start + 1]!r})")
+                continue
             if not line.strip():
                 yield i, None, ("blank_line", "blank line")
                 continue
             try:
                 yield i, json.loads(line), None
-            except json.JSONDecodeError as e:
-                yield i, None, ("invalid_json", f"invalid JSON ({e.msg} at column {e.colno})")
+            except (json.JSONDecodeError, RecursionError) as e:
+                what = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+                yield i, None, ("invalid_json", f"invalid JSON ({what})")
 
 
 def _parquet_rows(path: str, row_start: int, row_end: Optional[int]) -> Iterator[tuple[int, Any, Optional[tuple]]]:
@@ -321,8 +365,8 @@ def _build(raw: Iterator[tuple[int, Any, Optional[tuple]]], tokenizer, source: s
 
     records = []
     add_special_tokens = not apply_chat_template
-    for start in range(0, len(parsed), _ENCODE_CHUNK):
-        chunk = parsed[start: start + _ENCODE_CHUNK]
+    for start, stop in _chunks([text for _, text in parsed]):
+        chunk = parsed[start:stop]
         ids = tokenizer([text for _, text in chunk], add_special_tokens=add_special_tokens)["input_ids"]
         for (r, text), token_ids in zip(chunk, ids):
             stats.longest_prompt_tokens = max(stats.longest_prompt_tokens, len(token_ids))
@@ -344,7 +388,7 @@ class ScanReport:
     source: str
     """The file."""
     rows: int = 0
-    """Rows scanned."""
+    """Rows of the slice scanned."""
     bad: list[str] = field(default_factory=list)
     """The first malformed rows, as "path, line k: what is wrong"."""
     num_bad: int = 0
@@ -354,51 +398,67 @@ class ScanReport:
     longest_prompt_tokens: int = 0
     """The longest prompt scanned, in tokens (0 when not tokenized)."""
     complete: bool = True
-    """False when the scan stopped at its row or time bound before the end of the file."""
+    """False when the scan stopped at its row or time bound before the end of the slice."""
     seconds: float = 0.0
     """How long the scan took."""
+    first: Optional[tuple[Any, Any, dict]] = None
+    """(prompt, label, metadata) of the first well-formed row, for the pre-flight call of the reward."""
+
+    @property
+    def usable(self) -> int:
+        """Rows the run would keep among those scanned (malformed and too-long ones left out)."""
+        return self.rows - self.num_bad - self.too_long
 
 
-def scan_prompt_file(path: str, cfg: DataConfig, tokenizer=None, *, max_rows: Optional[int] = None,
+def scan_prompt_file(path: str, cfg: DataConfig, tokenizer=None, *, row_start: int = 0,
+                     row_end: Optional[int] = None, max_rows: Optional[int] = None,
                      max_seconds: Optional[float] = None, examples: int = 10) -> ScanReport:
-    """Read ``path`` as a run would (the same row rules as ``load_prompt_file``, every malformed row collected rather
-    than the first raised) and, with a tokenizer, count the prompts longer than cfg.max_prompt_tokens. Stops after
-    ``max_rows`` rows or ``max_seconds`` (``complete`` says whether it reached the end)."""
+    """Read rows [row_start, row_end) of ``path`` as a run would (the same row rules and ``cfg.max_row_bytes`` as
+    ``load_prompt_file``, every malformed row collected rather than the first raised) and, with a tokenizer, count
+    the prompts longer than cfg.max_prompt_tokens. Stops after ``max_rows`` rows or ``max_seconds`` (``complete``
+    says whether it reached the end of the slice); memory stays bounded by the row cap and the tokenizer's chunks."""
     import time
 
     start = time.monotonic()
     suffix = Path(path).suffix.lower()
-    raw = _jsonl_rows(path, 0, None) if suffix == ".jsonl" else _parquet_rows(path, 0, None)
+    raw = (_jsonl_rows(path, row_start, row_end, cfg.max_row_bytes) if suffix == ".jsonl"
+           else _parquet_rows(path, row_start, row_end))
     unit = "line" if suffix == ".jsonl" else "row"
     report = ScanReport(source=str(path))
-    texts: list[str] = []
+    texts: list[str] = []  # rendered prompts not tokenized yet, `chars` characters in all
+    chars = 0
 
     def encode() -> None:
-        if tokenizer is not None and texts:
-            for ids in tokenizer(texts, add_special_tokens=not cfg.apply_chat_template)["input_ids"]:
-                report.longest_prompt_tokens = max(report.longest_prompt_tokens, len(ids))
-                report.too_long += len(ids) > cfg.max_prompt_tokens
+        for ids in tokenizer(texts, add_special_tokens=not cfg.apply_chat_template)["input_ids"]:
+            report.longest_prompt_tokens = max(report.longest_prompt_tokens, len(ids))
+            report.too_long += len(ids) > cfg.max_prompt_tokens
         texts.clear()
 
     for row, value, problem in raw:
         if (max_rows is not None and report.rows >= max_rows) or (
-                max_seconds is not None and report.rows % 1000 == 0 and time.monotonic() - start > max_seconds):
+                max_seconds is not None and time.monotonic() - start > max_seconds):
             report.complete = False
             break
         report.rows += 1
         try:
             if problem is not None:
                 raise _Bad(*problem)
-            prompt, _, _, tools = _parse(value, cfg.prompt_key, cfg.label_key, cfg.metadata_key, cfg.tools_key,
-                                         cfg.apply_chat_template)
+            prompt, label, metadata, tools = _parse(value, cfg.prompt_key, cfg.label_key, cfg.metadata_key,
+                                                    cfg.tools_key, cfg.apply_chat_template)
+            if report.first is None:
+                report.first = (prompt, label, metadata)
             if tokenizer is not None:
-                texts.append(_render(prompt, tools, tokenizer, cfg.apply_chat_template))
-                if len(texts) >= _ENCODE_CHUNK:
+                text = _render(prompt, tools, tokenizer, cfg.apply_chat_template)
+                if texts and (len(texts) >= _ENCODE_CHUNK or chars + len(text) > _ENCODE_CHARS):
                     encode()
+                    chars = 0
+                texts.append(text)
+                chars += len(text)
         except _Bad as bad:
             report.num_bad += 1
             if len(report.bad) < examples:
                 report.bad.append(BadLineError(str(path), row + 1, bad.reason, bad.detail, unit).where_what)
-    encode()
+    if texts:
+        encode()
     report.seconds = time.monotonic() - start
     return report

@@ -17,7 +17,9 @@ from slime_hydra.config import ConfigError, check_overrides, collect_problems, c
 from slime_hydra.config.hydra_errors import as_problems
 from slime_hydra.config.datasets import check_datasets
 from slime_hydra.config.files import check_files
+from slime_hydra.config.plugins import check_reward_call
 from slime_hydra.launch.plan import print_plan
+from slime_hydra.launch.resume import check_resume
 from slime_hydra.launch.run_dir import run_dir_for, write_provenance
 from slime_hydra.launch.sweep import point_run_dir
 
@@ -62,13 +64,18 @@ def launch(dict_cfg: DictConfig) -> None:
         _fail(error)
     problems, derived = collect_problems(cfg)
     data_notes: list[str] = []
-    problems += list(check_datasets(cfg, data_notes))  # files that are here are read, dry run or not
+    first_rows: dict[str, tuple] = {}
+    problems += list(check_datasets(cfg, data_notes, first_rows))  # files that are here are read, dry run or not
+    if not problems:  # the reward's module imported and the data has rows
+        problems += list(check_reward_call(cfg, first_rows))
     file_problems = list(check_files(cfg))
-    run_dir = point_run_dir() or run_dir_for(cfg)  # a sweep point runs in <sweep_dir>/<num>
+    point_dir = point_run_dir()  # a sweep point runs in <sweep_dir>/<num>
+    run_dir, refused = check_resume(cfg, dict_cfg, point_dir or run_dir_for(cfg), console, point_dir is not None)
+    problems += refused  # resume=never beside an earlier run; a resume that changes what the run learns
     if cfg.dry_run:
         console.rule("Resolved config")
         console.print(OmegaConf.to_yaml(dict_cfg, resolve=True), markup=False, highlight=False)
-    if cfg.dry_run:
+    if cfg.dry_run and cfg.cluster.scheduler == "slurm":
         for problem in file_problems:  # shared-storage paths may exist only where the job runs
             print(f"slime_hydra: warning: {problem}", file=sys.stderr)
     else:
@@ -92,7 +99,10 @@ def launch(dict_cfg: DictConfig) -> None:
         set_local_ray_env()  # before loop.py imports ray, which reads it at import
     from slime_hydra.loop import run
 
-    outcome = run(cfg, run_dir)
+    try:
+        outcome = run(cfg, run_dir)
+    except ConfigError as error:  # what only the run can see: a checkpoint whose checksums do not match
+        _fail(error)
     console.print(f"{outcome}: {run_dir}", markup=False)
     if outcome == "preempted":
         raise SystemExit(preempt.EXIT_CODE)

@@ -41,7 +41,8 @@ import submitit
 from rich.console import Console
 
 from slime_hydra import preempt
-from slime_hydra.checkpoint import JOB_ERROR, write_json
+from slime_hydra.checkpoint import JOB_ERROR
+from slime_hydra.durable import write_json
 from slime_hydra.config.derive import Derived
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.dotted import import_callable

@@ -6,7 +6,8 @@ Metric names follow slime's where one exists: ``rollout/raw_reward``, ``rollout/
 ``perf/tokens_per_s``. One line of metrics.jsonl is ``{"step": k, "time": unix_s, <name>: value, ...}``.
 
 Resuming: metrics.jsonl is appended to (lines of steps after the checkpoint are dropped first, so no step appears
-twice), and wandb resumes the same run through the id kept in <run_dir>/wandb_id.txt.
+twice; that rewrite replaces the file atomically), and wandb resumes the same run through the id kept in
+<run_dir>/wandb_id.txt.
 """
 
 import json
@@ -16,6 +17,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
+from slime_hydra.durable import replace_durably
+from slime_hydra.tracking.alerts import RunAlerts
 from slime_hydra.tracking.config import TrackingConfig
 
 
@@ -30,6 +33,7 @@ class Tracker:
         if resume_step is not None:
             self._truncate_after(resume_step)
         self._file = self.path.open("a")
+        self.alerts = RunAlerts()
         self._wandb = self._tensorboard = None
         if cfg.wandb:
             self._wandb = self._start_wandb(run_name, config)
@@ -40,18 +44,22 @@ class Tracker:
 
     def _truncate_after(self, step: int) -> None:
         """Drop the rows of steps after ``step`` (logged by a run that died before its next checkpoint: the rerun
-        logs them again) and a last line the dying run left half-written."""
+        logs them again) and a last line the dying run left half-written. The file is replaced whole, and only when
+        a row goes, so a crash here leaves the old history or the new one, never less."""
         if not self.path.exists():
             return
+        text = self.path.read_text()
         kept = []
-        for line in self.path.read_text().splitlines():
+        for line in text.splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:  # the half-written last line of a killed run
                 continue
             if row["step"] <= step:
                 kept.append(line)
-        self.path.write_text("".join(f"{line}\n" for line in kept))
+        rewritten = "".join(f"{line}\n" for line in kept)
+        if rewritten != text:
+            replace_durably(self.path, rewritten)
 
     def _start_wandb(self, run_name: str, config: Mapping[str, Any]):
         import wandb
@@ -65,7 +73,10 @@ class Tracker:
                           dir=str(self.run_dir), config=dict(config))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Record the metrics of rollout step ``step`` everywhere (every log_every_steps steps)."""
+        """Record the metrics of rollout step ``step`` everywhere (every log_every_steps steps); print the warnings
+        they start (tracking/alerts.py: nearly every response truncated, the same reward step after step)."""
+        for warning in self.alerts.observe(step, metrics):
+            print(warning, flush=True)
         if step % self.cfg.log_every_steps:
             return
         row = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}

@@ -226,3 +226,10 @@ class TrainConfig:
     def model_parallel_size(self) -> int:
         """Ranks holding one model replica: tp * pp * cp."""
         return self.tp * self.pp * self.cp
+
+    def check(self, prefix: str) -> Iterator[Problem]:
+        """What the field domains cannot say (options.py)."""
+        if self.min_lr > self.lr:
+            yield Problem((f"{prefix}min_lr", f"{prefix}lr"),
+                          f"min_lr={self.min_lr} is above lr={self.lr}: the decay would raise the learning rate",
+                          f"set {prefix}min_lr to at most {self.lr} (0 decays to zero)")

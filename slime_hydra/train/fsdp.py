@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from slime_hydra.checkpoint import write_json
+from slime_hydra.durable import write_json
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, response_logprobs, response_values, split_to_count)
 from slime_hydra.train.packing import ATTENTION, pack, packed_logprobs, packed_values, register_attention
@@ -69,7 +69,7 @@ from slime_hydra.train.backend import (
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
 from slime_hydra.train.routing_replay import RoutingReplay, moe_routers
-from slime_hydra.train.optim import build_optimizer, clip_and_step
+from slime_hydra.train.optim import build_optimizer, clip_and_step, continue_schedule
 from slime_hydra.train.lora import merged_weights, peft_adapter_weights, peft_config, seeded_init
 
 
@@ -333,7 +333,7 @@ class FSDPBackend(TrainBackend):
         dcp.load(state, checkpoint_id=str(ckpt_dir / "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=self._state_options())
-        self.scheduler.load_state_dict(meta["scheduler"])
+        continue_schedule(self.scheduler, meta["scheduler"])
         self.step = meta["step"]
         local = load_rank_file(ckpt_dir / f"rank{dist.get_rank()}.pt")
         set_rng_state(local["rng"])

@@ -66,6 +66,19 @@ def build_optimizer(params, train: TrainConfig, total_steps: int, peak: float | 
     return optimizer, scheduler
 
 
+def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:
+    """Load a checkpoint's scheduler ``state`` (the optimizer steps taken) and go on with this run's schedule from
+    there: the next optimizer step's learning rate is ``lr_at`` of this run's config. LambdaLR's own load alone keeps
+    the checkpoint's peak and its last learning rate, so a resume that changed the schedule (resume_allow_changes)
+    took one more step at the old rate and then the new curve scaled by the old peak. An unchanged schedule gets the
+    same numbers either way (the same product, base * lambda(step))."""
+    peaks = list(scheduler.base_lrs)  # this run's: build_optimizer's peak
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = peaks
+    scheduler.last_epoch -= 1
+    scheduler.step()  # every group's lr (and get_last_lr) from this schedule, at the step the checkpoint reached
+
+
 def _adamw(params: list, shard_group, kwargs: dict) -> torch.optim.Optimizer:
     """AdamW over ``params``, its state sharded over ``shard_group`` when that has more than one rank."""
     if shard_group is not None and dist.get_world_size(shard_group) > 1:

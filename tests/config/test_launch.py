@@ -115,12 +115,13 @@ def test_checkpoint_architecture_must_match_the_model_option(tmp_path):
     assert "model.num_layers" in wrong.stderr and "config.json says 24" in wrong.stderr
 
 
-def test_missing_files_warn_in_dry_runs_and_refuse_real_runs(tmp_path):
+def test_missing_files_warn_in_slurm_dry_runs_and_refuse_everywhere_else(tmp_path):
+    """A SLURM recipe's paths may exist only on the cluster's shared storage; a local run's are all here."""
     args = ("data=jsonl", f"data.path={tmp_path}/nope.jsonl", "data.max_prompt_tokens=64", f"output_dir={tmp_path}")
-    dry = launch(*args, "dry_run=true")
-    assert dry.returncode == 0 and "warning: [data.path]" in dry.stderr
-    real = launch(*args)
-    assert real.returncode == 2 and "nope.jsonl does not exist" in real.stderr
+    slurm = launch(*args, "dry_run=true", "cluster=slurm", "cluster.gpu_memory_gb=80")
+    assert slurm.returncode == 0 and "warning: [data.path]" in slurm.stderr, slurm.stderr
+    for local in (launch(*args, "dry_run=true"), launch(*args)):
+        assert local.returncode == 2 and "nope.jsonl does not exist" in local.stderr, local.stderr
 
 
 @pytest.mark.parametrize("args,key", [

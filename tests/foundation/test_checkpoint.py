@@ -1,6 +1,7 @@
 """checkpoint.py: retention never removes what ``latest`` names, and keeps the newest ``keep``."""
 
-from slime_hydra.checkpoint import checkpoint_dir, mark_latest, prune, write_json
+from slime_hydra.checkpoint import checkpoint_dir, mark_latest, prune
+from slime_hydra.durable import write_json
 
 
 def _save(run, step):

@@ -4,6 +4,7 @@ a run resumes from it exactly: every step logged once, each step trained on the 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,3 +109,22 @@ def test_a_run_killed_while_a_write_is_held_resumes_from_the_previous_complete_c
     assert [r["step"] for r in train_rows(run)] == list(range(STEPS))
     assert _prompts_per_step(run) == _prompts_per_step(reference)
     assert _latest(run) == "step_000006" and (held / "actor" / "trainer.json").exists()
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(reference, tmp_path):
+    """A copy of the reference run with its newest checkpoint's trainer shard cut in half: the same command resumes
+    from the one before, says why, sets the damaged one aside and trains on exactly as the uninterrupted run did."""
+    run = tmp_path / "r"
+    shutil.copytree(reference, run)
+    shard = run / "checkpoints" / "step_000006" / "actor" / "dcp" / "__0_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    out = subprocess.run(_command(tmp_path, "save_every_steps=1"), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert (f"resuming from step_000005: {run}/checkpoints/step_000006 is damaged (actor/dcp/__0_0.distcp: "
+            f"{size // 2} bytes, manifest says {size})") in out.stdout
+    assert "step_000005 at step 5" in out.stdout  # "resumed from <run>/checkpoints/step_000005 at step 5"
+    assert [r["step"] for r in train_rows(run)] == list(range(STEPS))
+    assert _prompts_per_step(run) == _prompts_per_step(reference)
+    assert _latest(run) == "step_000006" and shard.stat().st_size == size  # written again, whole
+    assert [p.name.split("-")[0] for p in (run / "checkpoints" / "partial").iterdir()] == ["step_000006"]

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from slime_hydra import preempt
 from slime_hydra.config import PROJECT_ROOT
@@ -96,8 +97,10 @@ def test_default_loop_runs_syncs_checkpoints_and_exports(tmp_path):
 
 
 def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):
-    """kill -9 mid-run, then the same command again: resume=auto continues from the newest checkpoint. Written in
-    the foreground here (checkpoint_in_background=false); test_checkpoint_in_background.py kills background writes."""
+    """kill -9 mid-run, then the same command again: resume=auto continues from the newest checkpoint, on the
+    learning-rate schedule of the uninterrupted run. Written in the foreground here (checkpoint_in_background=false);
+    test_checkpoint_in_background.py kills background writes. Then the finished run is extended: a longer num_steps
+    is refused before anything starts, and allowed (resume_allow_changes) the rate jumps to the new schedule's."""
     args = [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r", "num_steps=6",
             "save_every_steps=2", "debug.save_rollouts=true", "checkpoint_in_background=false", *SMALL]
     run = tmp_path / "r"
@@ -121,6 +124,25 @@ def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):
         assert len(groups) == 4
         prompts += groups.values()
     assert len(set(prompts)) == 24
+    # tiny's schedule: 2e-4 decaying linearly to 2e-5 over the 6 steps (one optimizer step each), logged as train/lr
+    # by the killed run up to its checkpoint and by the resumed one after it, as an uninterrupted run logs it
+    assert [r["train/lr"] for r in train_rows(run)] == pytest.approx([2e-4, 1.7e-4, 1.4e-4, 1.1e-4, 8e-5, 5e-5],
+                                                                     rel=1e-9)
+
+    longer = [a for a in args if a != "num_steps=6"] + ["num_steps=8", "train.lr=1e-4"]
+    refused = subprocess.run(longer, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "  train.lr: 0.0002 -> 0.0001\n  num_steps: 6 -> 8\n" in refused.stderr
+    out = subprocess.run([*longer, "resume_allow_changes=true"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    # at step 6 of 6 the rate was 2e-5; 6 and 7 of 8 at a 1e-4 peak: 2e-5 + 8e-5 x 2/8, 2e-5 + 8e-5 x 1/8
+    assert "the learning rate at step 6: 2e-05 -> 4e-05" in out.stdout
+    rows = train_rows(run)
+    assert [r["step"] for r in rows] == list(range(8))
+    assert [r["train/lr"] for r in rows[6:]] == pytest.approx([4e-5, 3e-5], rel=1e-9)
+    # every launch that ran kept its config (the refused one ran nothing); the top level is the latest
+    launches = sorted((run / "launches").iterdir())
+    assert [yaml.safe_load((p / "resolved.yaml").read_text())["num_steps"] for p in launches] == [6, 6, 8]
+    assert (run / "resolved.yaml").read_text() == (launches[-1] / "resolved.yaml").read_text()
 
 
 @pytest.mark.own_ray_node

@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, mark_latest, write_json
+from slime_hydra.checkpoint import RUN_RECORD, checkpoint_dir, mark_latest
+from slime_hydra.durable import write_json
 from slime_hydra.config import compose
 from slime_hydra.export import export_checkpoint, main
 from slime_hydra.train.backend import export_dtype

@@ -3,12 +3,15 @@ against one AdamW over the same parameters, in one process (parts unsharded: the
 tests/train/test_megatron_moe.py's four-rank cases), and clip_and_step against torch's clip_grad_norm_."""
 
 import copy
+import dataclasses
+import math
 
 import pytest
 import torch
 
 from slime_hydra.train.config import TrainConfig
-from slime_hydra.train.optim import Partitioned, build_optimizer, clip_and_step, local_states, lr_at, optimizers
+from slime_hydra.train.optim import (Partitioned, build_optimizer, clip_and_step, continue_schedule, local_states,
+                                     lr_at, optimizers)
 
 TRAIN = TrainConfig(lr=1e-2, lr_warmup_steps=2, lr_decay_style="cosine", min_lr=1e-3, weight_decay=0.1)
 
@@ -54,6 +57,29 @@ def test_partitioned_steps_and_resumes_like_one_adamw():
     again_schedule.load_state_dict(saved_schedule)
     assert _steps(resumed, again, again_schedule, 3, seed=2) == [lr_at(s, TRAIN, 6) for s in range(3, 6)]
     assert all(torch.equal(a, b) for a, b in zip(whole, resumed)) and all(torch.equal(a, b) for a, b in zip(whole, split))
+
+
+def test_a_resume_continues_the_schedule_of_its_config_from_the_step_reached():
+    """continue_schedule, as the backends load a checkpoint: with the same config the resumed steps take the
+    uninterrupted run's rates bit for bit; with a longer run at a lower peak (resume_allow_changes) the first resumed
+    step already takes the new schedule's rate (LambdaLR's own load gave the checkpoint's last rate, then the new
+    curve times the old peak)."""
+    params = _params()
+    optimizer, schedule = build_optimizer(params, TRAIN, total_steps=6)
+    _steps(params, optimizer, schedule, 3, seed=1)
+    saved, saved_schedule = copy.deepcopy(optimizer.state_dict()), copy.deepcopy(schedule.state_dict())
+    uninterrupted = _steps(params, optimizer, schedule, 3, seed=2)
+    assert uninterrupted == [lr_at(s, TRAIN, 6) for s in range(3, 6)]
+    longer = dataclasses.replace(TRAIN, lr=5e-3)
+    for train, total, expected in ((TRAIN, 6, uninterrupted), (longer, 8, [lr_at(s, longer, 8) for s in range(3, 6)])):
+        resumed = _params()
+        again, again_schedule = build_optimizer(resumed, train, total_steps=total)
+        again.load_state_dict(copy.deepcopy(saved))
+        continue_schedule(again_schedule, copy.deepcopy(saved_schedule))
+        assert again.param_groups[0]["lr"] == again_schedule.get_last_lr()[0] == expected[0]
+        assert _steps(resumed, again, again_schedule, 3, seed=2) == expected
+    assert expected[0] == pytest.approx(1e-3 + 4e-3 * (1 + math.cos(math.pi / 6)) / 2)  # step 3 of 8, warmup 2
+    assert uninterrupted[0] == pytest.approx(1e-3 + 9e-3 * (1 + math.cos(math.pi / 4)) / 2)  # step 3 of 6
 
 
 def test_a_set_without_trainable_parameters_adds_no_part():

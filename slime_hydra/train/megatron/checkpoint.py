@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slime_hydra.checkpoint import write_json
+from slime_hydra.durable import write_json
 from slime_hydra.train.backend import load_rank_file, rng_state, set_rng_state, write_rank_file
-from slime_hydra.train.optim import consolidate, optimizers
+from slime_hydra.train.optim import consolidate, continue_schedule, optimizers
 from slime_hydra.train.reference import host_copy, pinned
 
 
@@ -101,7 +101,7 @@ def load(backend, ckpt_dir: str | Path, weights_only: bool = False) -> None:
         dense = load_rank_file(ckpt_dir / _dense_file(backend), map_location="cpu")["optim"]
         backend.optimizer.load_state_dict({"parts": [dense] + ([] if shards["optim"] is None else [shards["optim"]])})
     backend._ref_shards = pinned(shards["ref"])
-    backend.scheduler.load_state_dict(meta["scheduler"])
+    continue_schedule(backend.scheduler, meta["scheduler"])
     backend.step = meta["step"]
     local = load_rank_file(ckpt_dir / f"rank{dist.get_rank()}.pt")
     set_rng_state(local["rng"])
