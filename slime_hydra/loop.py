@@ -60,6 +60,7 @@ from slime_hydra.cluster.local_ray import LocalRay, connect, death_report
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import plan_memory
 from slime_hydra.config.schema import SlimeConfig
+from slime_hydra.cores import usable_cores
 from slime_hydra.dotted import import_callable
 from slime_hydra.model.hf import copy_tokenizer, load_tokenizer
 from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
@@ -100,6 +101,7 @@ def run(cfg: SlimeConfig, run_dir: Path) -> str:
     write_json(run_dir / RUN_RECORD, record)
     outcome, error = "failed", None
     try:
+        usable_cores()  # sampled (once per process) before the warm start and Ray's daemons load the cores
         model_path = resolve_model_path(cfg.model, cfg.data, cfg.seed)
         record["model_path"] = str(model_path)  # what export.py builds the run's HF exports on
         write_json(run_dir / RUN_RECORD, record)
@@ -197,9 +199,9 @@ class Session:
 
     @property
     def cpu_threads(self) -> int | None:
-        """CPU-only, sync: trainer and engines take turns, each on every core while it works; else Ray's CPUs."""
+        """CPU-only, sync: trainer and engines take turns, each on every idle core (cores.py); else Ray's CPUs."""
         on_ray_cpus = self.on_gpu or self.cfg.mode == "async" or os.environ.get("RAY_ADDRESS")
-        return None if on_ray_cpus else os.cpu_count()
+        return None if on_ray_cpus else usable_cores()
 
     def start_trainer(self) -> None:
         from slime_hydra.train.group import TrainGroup

@@ -38,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from slime_hydra.cores import usable_cores
 from slime_hydra.data.config import DataConfig
 from slime_hydra.data.dataset import sft_levels
 from slime_hydra.data.tasks import get_task
@@ -151,7 +152,7 @@ def build_checkpoint(model: ModelConfig, task_name: str, out_dir: Path, seed: in
     if steps > 0:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
-            torch.set_num_threads(os.cpu_count() or 1)  # nothing else runs yet: use every core
+            torch.set_num_threads(usable_cores())  # nothing of the run works yet: every idle core
         net = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).to(device)
         start = time.time()
         loss = sft(net, tokenizer, rows[:steps * batch], steps, seed, chat_template, lr=model.sft_lr, batch=batch)
