@@ -39,7 +39,10 @@ def _tokenizer(cfg: SlimeConfig):
     if (Path(cfg.model.path) / "tokenizer_config.json").exists() or (Path(cfg.model.path) / "tokenizer.json").exists():
         from slime_hydra.model.hf import load_tokenizer
 
-        return load_tokenizer(cfg.model.path)
+        try:
+            return load_tokenizer(cfg.model.path)
+        except Exception:  # a damaged tokenizer: config/files.py names it; the scan goes on without lengths
+            return None
     return None
 
 

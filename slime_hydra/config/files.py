@@ -39,10 +39,35 @@ def check_files(cfg: SlimeConfig) -> Iterator[Problem]:
                               "point model.path at an intact HF checkpoint dir")
             else:
                 yield from _compare_architecture(cfg, hf)
+                yield from _checkpoint_parts(path)
     for key, value, _, _ in dataset_files(cfg):
         if not Path(value).is_file():
             yield Problem((key,), f"{value} does not exist", f"set {key} to an existing .jsonl or .parquet file")
     yield from _check_output_dir(cfg.output_dir)
+
+
+WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json")
+"""Files of which an HF checkpoint holds at least one: its weights."""
+TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files of which an HF checkpoint holds at least one: its tokenizer (the rollout and the data read it)."""
+
+
+def _checkpoint_parts(path: Path) -> Iterator[Problem]:
+    """The weights and a tokenizer are there, and the tokenizer loads as the run will load it."""
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHTS):
+        yield Problem(("model.path",), f"{path} has a config.json but no weights ({', '.join(WEIGHTS)})",
+                      "point model.path at a complete HF checkpoint (huggingface-cli download <repo> --local-dir ...)")
+    if not any((path / name).is_file() for name in TOKENIZER):
+        yield Problem(("model.path",), f"{path} has no tokenizer (none of {', '.join(TOKENIZER)})",
+                      "copy the model's tokenizer files into it")
+        return
+    from slime_hydra.model.hf import load_tokenizer  # transformers: ~2 s to import, only for a checkpoint here
+
+    try:
+        load_tokenizer(path)
+    except Exception as error:  # a damaged file of any of the formats AutoTokenizer reads
+        yield Problem(("model.path",), f"the tokenizer at {path} does not load: {type(error).__name__}: "
+                      f"{str(error)[:300]}", "point model.path at an intact HF checkpoint dir")
 
 
 def _check_output_dir(output_dir: str) -> Iterator[Problem]:

@@ -48,6 +48,8 @@ CACHE_VERSION = 3
 """Bump when the build below changes, so stale caches are rebuilt."""
 BPE_TEXT_ROWS = 20_000
 """Prompt + answer pairs a BPE tokenizer learns its merges from (at least; the SFT rows when there are more)."""
+PROGRESS_S = 15.0
+"""Seconds between the warm start's progress lines."""
 
 
 def cache_root() -> Path:
@@ -155,7 +157,8 @@ def build_checkpoint(model: ModelConfig, task_name: str, out_dir: Path, seed: in
             torch.set_num_threads(usable_cores())  # nothing of the run works yet: every idle core
         net = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).to(device)
         start = time.time()
-        loss = sft(net, tokenizer, rows[:steps * batch], steps, seed, chat_template, lr=model.sft_lr, batch=batch)
+        loss = sft(net, tokenizer, rows[:steps * batch], steps, seed, chat_template, lr=model.sft_lr, batch=batch,
+                   log=log)
         log(f"  SFT warm start: {steps} steps x {batch} examples on {device} in {time.time() - start:.0f} s, "
             f"final loss {loss:.3f}")
         net.to("cpu").save_pretrained(out_dir, safe_serialization=True)
@@ -166,14 +169,16 @@ def build_checkpoint(model: ModelConfig, task_name: str, out_dir: Path, seed: in
 
 
 def sft(net, tokenizer, rows: list[dict], steps: int, seed: int, chat_template: bool = True, lr: float = 1e-3,
-        batch: int = 64) -> float:
+        batch: int = 64, log=None) -> float:
     """Train net on prompt -> response + EOS (NLL of the response tokens only), ``batch`` rows a step, on the
-    device net is on (bf16 autocast on a GPU); return the last step's loss."""
+    device net is on (bf16 autocast on a GPU); return the last step's loss. ``log``: gets a progress line every
+    PROGRESS_S seconds (a busy machine once ran the warm start for 17 minutes without a word)."""
     torch.manual_seed(seed)
     device = next(net.parameters()).device
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0, fused=device.type == "cuda" or None)
     net.train()
     loss = torch.tensor(float("nan"))
+    start = shown = time.monotonic()
     for step in range(steps):
         ids, mask = _encode(tokenizer, rows[step * batch:(step + 1) * batch], chat_template)
         ids, mask = ids.to(device), mask.to(device)
@@ -184,6 +189,10 @@ def sft(net, tokenizer, rows: list[dict], steps: int, seed: int, chat_template: 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if log is not None and time.monotonic() - shown >= PROGRESS_S and step + 1 < steps:
+            shown = time.monotonic()
+            log(f"  SFT warm start: step {step + 1}/{steps}, loss {float(loss.detach()):.3f}, {shown - start:.0f} s "
+                f"(about {(shown - start) * (steps - step - 1) / (step + 1):.0f} s to go)")
     net.eval()
     return float(loss.detach())
 

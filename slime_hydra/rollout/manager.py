@@ -290,7 +290,7 @@ class RolloutManager:
     def _rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
         rewards = [s.scalar_reward(self.cfg.reward.reward_key) for s in samples]
         lengths = [s.response_length for s in samples]
-        return {
+        return {**reward_extras(samples, self.cfg.reward.reward_key),
             "rollout/raw_reward": statistics.fmean(rewards),
             "rollout/accuracy": statistics.fmean(float(_correct(s, self.cfg.reward.reward_key)) for s in samples),
             "rollout/response_len/mean": statistics.fmean(lengths),
@@ -412,6 +412,19 @@ def _unreachable(error: BaseException) -> bool:
     """The call never got an engine's answer: nothing listened, or the router could not reach a worker."""
     return isinstance(error, EngineUnavailable) or (
         isinstance(error, EngineError) and error.status in ROUTER_STATUS_RETRIED)
+
+
+def reward_extras(samples: list[Sample], reward_key: Optional[str]) -> dict[str, float]:
+    """``rollout/reward/<key>``: the mean of every numeric entry of dict rewards other than reward.reward_key (a
+    reward may return its parts: {"score": 1.0, "format": 0.5, "length_penalty": -0.1}), over the samples that have
+    it. Booleans count as 0/1; other values are left out."""
+    sums: dict[str, list[float]] = {}
+    for sample in samples:
+        if isinstance(sample.reward, dict):
+            for key, value in sample.reward.items():
+                if key != reward_key and isinstance(value, (int, float)) and math.isfinite(value):
+                    sums.setdefault(str(key), []).append(float(value))
+    return {f"rollout/reward/{key}": statistics.fmean(values) for key, values in sorted(sums.items())}
 
 
 def _correct(sample: Sample, reward_key: Optional[str]) -> bool:

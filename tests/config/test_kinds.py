@@ -10,6 +10,7 @@ from slime_hydra.config import collect_problems, compose, to_config
 from slime_hydra.config.files import check_files
 from slime_hydra.config.memory import plan_memory
 from slime_hydra.model.families import FAMILIES, Family, register
+from slime_hydra.model.tiny import build_tiny_tokenizer
 from slime_hydra.rollout.engines.kinds import ENGINE_KINDS, EngineKind
 from slime_hydra.rollout.engines.kinds import register as register_engine
 from slime_hydra.train.kinds import TRAIN_BACKEND_KINDS, TrainBackendKind
@@ -50,6 +51,7 @@ def test_a_family_added_by_one_record_is_validated_planned_and_built(mistral, tm
     hf = AutoConfig.from_pretrained(path)
     assert hf.model_type == "mistral" and hf.num_hidden_layers == cfg.model.num_layers
     assert AutoModelForCausalLM.from_pretrained(path).num_parameters() > 0
+    build_tiny_tokenizer().save_pretrained(path)  # the files check wants a tokenizer that loads
     good = to_config(compose([*MISTRAL, f"model.path={path}"]))
     assert list(check_files(good)) == []  # its config.json agrees with the option, field by field (the record's map)
     config = json.loads((path / "config.json").read_text())

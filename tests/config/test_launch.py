@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from slime_hydra.config import PROJECT_ROOT
+from slime_hydra.model.tiny import build_tiny_tokenizer
 
 
 FAST = ("num_steps=1", "model.sft_warm_start_steps=0", "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2",
@@ -107,6 +108,8 @@ def test_checkpoint_architecture_must_match_the_model_option(tmp_path):
     (ckpt / "config.json").write_text(json.dumps({"num_hidden_layers": 24, "hidden_size": 896, "num_attention_heads": 14,
                                                   "num_key_value_heads": 2, "intermediate_size": 4864,
                                                   "vocab_size": 151936, "max_position_embeddings": 32768}))
+    (ckpt / "model.safetensors").write_bytes(b"")  # the files check looks for weights and a tokenizer that loads
+    build_tiny_tokenizer().save_pretrained(ckpt)
     gpu = ("cluster.gpus_per_node=2", "cluster.gpu_memory_gb=80", "rollout.max_response_tokens=512")
     ok = launch("model=qwen2_5_0_5b", f"model.path={ckpt}", f"output_dir={tmp_path}", "dry_run=true", *gpu)
     assert ok.returncode == 0 and "config.json" not in ok.stderr, ok.stderr

@@ -158,6 +158,22 @@ def test_a_broken_config_json_is_refused_by_key(tmp_path):
     only(found, "model.path", "a JSON object")
 
 
+def test_a_checkpoint_needs_its_weights_and_a_tokenizer_that_loads(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+
+    def said() -> str:
+        return "\n".join(str(p) for p in preflight(f"model.path={tmp_path}") if "model.path" in p.keys)
+
+    assert "has a config.json but no weights" in said() and "has no tokenizer" in said()
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert "no weights" not in said() and "has no tokenizer" in said()
+    (tmp_path / "tokenizer.json").write_text('{"model": ')
+    assert "does not load" in said()
+    (tmp_path / "tokenizer.json").unlink()
+    build_tiny_tokenizer().save_pretrained(tmp_path)
+    assert [p for p in preflight(f"model.path={tmp_path}") if "model.path" in p.keys] == []
+
+
 def test_output_dir_must_be_a_writable_directory(tmp_path):
     (tmp_path / "file").write_text("")
     only(preflight(f"output_dir={tmp_path}/file/runs"), "output_dir", "is a file, not a directory")
