@@ -16,6 +16,7 @@ from slime_hydra.cluster.local_ray import set_local_ray_env
 from slime_hydra.config import ConfigError, check_overrides, collect_problems, compose, to_config
 from slime_hydra.config.hydra_errors import as_problems
 from slime_hydra.config.datasets import check_datasets
+from slime_hydra.config.advice import advice
 from slime_hydra.config.files import check_files
 from slime_hydra.config.plugins import check_reward_call
 from slime_hydra.launch.plan import print_plan
@@ -84,6 +85,8 @@ def launch(dict_cfg: DictConfig) -> None:
         _fail(ConfigError(problems))
     assert derived is not None
     print_plan(cfg, derived, run_dir, console)
+    for warning in advice(cfg, derived):  # runs, but is likely not what was meant
+        print(f"slime_hydra: warning: {warning}", file=sys.stderr)
     for note in data_notes:
         console.print(f"  data: {note}", markup=False)
     if cfg.dry_run:
