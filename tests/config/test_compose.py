@@ -1,5 +1,7 @@
 """Every group option and every recipe composes and validates; derived values follow their formulas."""
 
+import re
+
 import pytest
 import yaml
 
@@ -66,7 +68,8 @@ def test_recipe_composes_validates_and_documents_itself(recipe):
     assert text.startswith("# @package _global_\n")
     assert f"python launch.py recipes={recipe}" in text, "the header gives the exact command"
     assert "# Hardware:" in text and "# Expect:" in text, "the header gives the hardware and the result to expect"
-    cfg, derived = load(f"recipes={recipe}")
+    site = re.search(r"cluster=<your site, e\.g\. (\w+)>", text)  # planned on the site it names: its GPUs' memory
+    cfg, derived = load(f"recipes={recipe}", *([f"cluster={site.group(1)}"] if site else []))
     assert derived.global_batch_samples * derived.optimizer_steps_per_rollout == derived.samples_per_rollout
 
 
