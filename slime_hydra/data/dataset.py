@@ -216,7 +216,7 @@ def load_prompt_file(path: str, tokenizer, *, prompt_key: str = "prompt", label_
     if suffix == ".jsonl":
         raw, unit = _jsonl_rows(path, row_start, row_end, max_row_bytes), "line"
     elif suffix == ".parquet":
-        raw, unit = _parquet_rows(path, row_start, row_end), "row"
+        raw, unit = _parquet_rows(path, row_start, row_end, max_row_bytes), "row"
     else:
         raise ValueError(f"{path}: unsupported prompt file type {suffix!r}; use .jsonl or .parquet")
     return _build(raw, tokenizer, str(path), unit, prompt_key, label_key, metadata_key, tools_key,
@@ -284,15 +284,29 @@ def _jsonl_rows(path: str, row_start: int, row_end: Optional[int],
                 yield i, None, ("invalid_json", f"invalid JSON ({what})")
 
 
-def _parquet_rows(path: str, row_start: int, row_end: Optional[int]) -> Iterator[tuple[int, Any, Optional[tuple]]]:
+def _parquet_rows(path: str, row_start: int, row_end: Optional[int],
+                  max_row_bytes: int = 1 << 20) -> Iterator[tuple[int, Any, Optional[tuple]]]:
+    """Like ``_jsonl_rows`` for a Parquet file, read in batches of 1,024 rows (never the whole table: memory holds
+    one batch); a row longer than ``max_row_bytes`` as JSON is a too_large row, as it would be in a JSONL file."""
     import pyarrow.parquet as pq
 
     _check_slice(row_start, row_end)
-    table = pq.read_table(path)
-    stop = table.num_rows if row_end is None else min(row_end, table.num_rows)
-    start = min(row_start, stop)
-    for offset, row in enumerate(table.slice(start, stop - start).to_pylist()):
-        yield start + offset, row, None
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        if row + batch.num_rows <= row_start:
+            row += batch.num_rows
+            continue
+        for offset in range(batch.num_rows):
+            if row_end is not None and row >= row_end:
+                return
+            if row >= row_start:
+                value = batch.slice(offset, 1).to_pylist()[0]
+                if len(json.dumps(value, default=str).encode()) > max_row_bytes:
+                    yield row, None, ("too_large", f"longer than data.max_row_bytes={max_row_bytes:,} bytes (raise "
+                                                   "it, or shorten the row)")
+                else:
+                    yield row, value, None
+            row += 1
 
 
 class _Bad(Exception):
@@ -422,7 +436,7 @@ def scan_prompt_file(path: str, cfg: DataConfig, tokenizer=None, *, row_start: i
     start = time.monotonic()
     suffix = Path(path).suffix.lower()
     raw = (_jsonl_rows(path, row_start, row_end, cfg.max_row_bytes) if suffix == ".jsonl"
-           else _parquet_rows(path, row_start, row_end))
+           else _parquet_rows(path, row_start, row_end, cfg.max_row_bytes))
     unit = "line" if suffix == ".jsonl" else "row"
     report = ScanReport(source=str(path))
     texts: list[str] = []  # rendered prompts not tokenized yet, `chars` characters in all

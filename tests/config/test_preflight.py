@@ -226,3 +226,18 @@ def test_eval_names_are_plain_and_unique(evals, key, fragment):
 def test_silent_nonsense_is_refused(overrides, key, fragment):
     error = problems(*overrides)
     assert any(key in p.keys and fragment in str(p) for p in error.problems), str(error)
+
+
+def test_a_huge_parquet_row_is_a_bad_row_and_the_file_is_read_in_batches(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(2500)]
+    rows[1500]["prompt"] = "x" * (2 << 20)
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=1000)
+    text = only(preflight("data=jsonl", f"data.path={path}", "data.max_prompt_tokens=64"), "data.on_bad_line",
+                "row 1501: longer than data.max_row_bytes")
+    assert "1 malformed row(s) in all 2500 rows" in text
+    kept = load_prompt_file(str(path), build_tiny_tokenizer(), on_bad_line="skip", row_start=1499, row_end=1503)
+    assert [r.row for r in kept.records] == [1499, 1501, 1502] and kept.stats.skipped == {"too_large": 1}
