@@ -13,12 +13,10 @@ from rich.console import Console
 
 from slime_hydra import preempt
 from slime_hydra.cluster.local_ray import set_local_ray_env
-from slime_hydra.config import ConfigError, check_overrides, collect_problems, compose, to_config
-from slime_hydra.config.hydra_errors import as_problems
-from slime_hydra.config.datasets import check_datasets
+from slime_hydra.config import ConfigError, check_overrides, compose, to_config
 from slime_hydra.config.advice import advice
-from slime_hydra.config.files import check_files
-from slime_hydra.config.plugins import check_reward_call
+from slime_hydra.config.hydra_errors import as_problems
+from slime_hydra.config.preflight import preflight
 from slime_hydra.launch.plan import print_plan
 from slime_hydra.launch.resume import check_resume
 from slime_hydra.launch.run_dir import run_dir_for, write_provenance
@@ -63,31 +61,23 @@ def launch(dict_cfg: DictConfig) -> None:
         cfg = to_config(dict_cfg)
     except ConfigError as error:
         _fail(error)
-    problems, derived = collect_problems(cfg)
-    data_notes: list[str] = []
-    first_rows: dict[str, tuple] = {}
-    problems += list(check_datasets(cfg, data_notes, first_rows))  # files that are here are read, dry run or not
-    if not problems:  # the reward's module imported and the data has rows
-        problems += list(check_reward_call(cfg, first_rows))
-    file_problems = list(check_files(cfg))
+    check = preflight(cfg)
+    problems, derived = check.refused(cfg.dry_run), check.derived
     point_dir = point_run_dir()  # a sweep point runs in <sweep_dir>/<num>
     run_dir, refused = check_resume(cfg, dict_cfg, point_dir or run_dir_for(cfg), console, point_dir is not None)
     problems += refused  # resume=never beside an earlier run; a resume that changes what the run learns
     if cfg.dry_run:
         console.rule("Resolved config")
         console.print(OmegaConf.to_yaml(dict_cfg, resolve=True), markup=False, highlight=False)
-    if cfg.dry_run and cfg.cluster.scheduler == "slurm":
-        for problem in file_problems:  # shared-storage paths may exist only where the job runs
-            print(f"slime_hydra: warning: {problem}", file=sys.stderr)
-    else:
-        problems += file_problems
+    for problem in check.warnings(cfg.dry_run):  # shared-storage paths may exist only where the job runs
+        print(f"slime_hydra: warning: {problem}", file=sys.stderr)
     if problems:
         _fail(ConfigError(problems))
     assert derived is not None
     print_plan(cfg, derived, run_dir, console)
     for warning in advice(cfg, derived):  # runs, but is likely not what was meant
         print(f"slime_hydra: warning: {warning}", file=sys.stderr)
-    for note in data_notes:
+    for note in check.notes:
         console.print(f"  data: {note}", markup=False)
     if cfg.dry_run:
         console.print("dry run: config valid, nothing started.", markup=False)

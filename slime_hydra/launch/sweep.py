@@ -60,10 +60,9 @@ def check_point(overrides: list[str], dry_run: bool) -> tuple[list[str], Any, An
     """(problems as text, SlimeConfig or None, Derived or None) of one point, validated as launch() does."""
     from hydra import compose
 
-    from slime_hydra.config import collect_problems, to_config
-    from slime_hydra.config.files import check_files
-
+    from slime_hydra.config import to_config
     from slime_hydra.config.hydra_errors import as_problems
+    from slime_hydra.config.preflight import preflight
 
     try:
         cfg = to_config(compose(config_name="config", overrides=overrides))
@@ -74,13 +73,8 @@ def check_point(overrides: list[str], dry_run: bool) -> tuple[list[str], Any, An
         if problems is None:
             raise
         return [str(p) for p in problems], None, None
-    from slime_hydra.config.datasets import check_datasets
-
-    problems, derived = collect_problems(cfg)
-    problems += list(check_datasets(cfg))
-    if not dry_run:
-        problems += list(check_files(cfg))
-    return [str(p) for p in problems], cfg, derived
+    check = preflight(cfg)
+    return [str(p) for p in check.refused(dry_run)], cfg, check.derived
 
 
 def _varying(points: list[list[str]]) -> list[list[str]]:

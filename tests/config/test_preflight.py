@@ -9,10 +9,8 @@ import textwrap
 
 import pytest
 
-from slime_hydra.config import PROJECT_ROOT, collect_problems, compose, to_config
-from slime_hydra.config.datasets import check_datasets
-from slime_hydra.config.files import check_files
-from slime_hydra.config.plugins import check_reward_call
+from slime_hydra.config import PROJECT_ROOT, compose, to_config
+from slime_hydra.config.preflight import preflight as run_preflight
 from slime_hydra.data.dataset import load_prompt_file
 from slime_hydra.model.tiny import build_tiny_tokenizer
 from tests.config.helpers import problems
@@ -22,14 +20,8 @@ JSONL = ("data=jsonl", "data.max_prompt_tokens=64")
 
 
 def preflight(*overrides: str) -> list:
-    """Every problem launch() finds before anything starts, in its order (launch/__init__.py)."""
-    cfg = to_config(compose(overrides))
-    found, _ = collect_problems(cfg)
-    first_rows: dict = {}
-    found += check_datasets(cfg, [], first_rows)
-    if not found:
-        found += check_reward_call(cfg, first_rows)
-    return found + list(check_files(cfg))
+    """Every problem launch() finds before anything starts, in its order (config/preflight.py), for a real run."""
+    return run_preflight(to_config(compose(overrides))).refused(dry_run=False)
 
 
 def only(found: list, key: str, fragment: str) -> str:
