@@ -290,7 +290,7 @@ class RolloutManager:
     def _rollout_metrics(self, samples: list[Sample]) -> dict[str, float]:
         rewards = [s.scalar_reward(self.cfg.reward.reward_key) for s in samples]
         lengths = [s.response_length for s in samples]
-        return {**reward_extras(samples, self.cfg.reward.reward_key),
+        return {**reward_extras(samples, self.cfg.reward.reward_key), **hook_counters(samples),
             "rollout/raw_reward": statistics.fmean(rewards),
             "rollout/accuracy": statistics.fmean(float(_correct(s, self.cfg.reward.reward_key)) for s in samples),
             "rollout/response_len/mean": statistics.fmean(lengths),
@@ -425,6 +425,19 @@ def reward_extras(samples: list[Sample], reward_key: Optional[str]) -> dict[str,
                 if key != reward_key and isinstance(value, (int, float)) and math.isfinite(value):
                     sums.setdefault(str(key), []).append(float(value))
     return {f"rollout/reward/{key}": statistics.fmean(values) for key, values in sorted(sums.items())}
+
+
+def hook_counters(samples: list[Sample]) -> dict[str, float]:
+    """``rollout/masked_tokens``: response tokens per sample the policy is not trained on (loss_mask 0: tool output,
+    injected text); ``rollout/metadata/<key>``: the mean of every numeric metadata entry over the samples that have
+    it (a hook's counters, e.g. the calculator's ``tool_calls`` and ``tool_errors``; a row's numeric fields)."""
+    out = {"rollout/masked_tokens": statistics.fmean(s.loss_mask.count(0) for s in samples)} if samples else {}
+    values: dict[str, list[float]] = {}
+    for sample in samples:
+        for key, value in sample.metadata.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                values.setdefault(str(key), []).append(float(value))
+    return out | {f"rollout/metadata/{key}": statistics.fmean(v) for key, v in sorted(values.items())}
 
 
 def _correct(sample: Sample, reward_key: Optional[str]) -> bool:

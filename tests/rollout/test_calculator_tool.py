@@ -179,7 +179,7 @@ def test_tool_error_is_a_message(engine):
     check_layout(s)
     assert segments(s, tokenizer) == [(1, "<calc>1/0</calc>"), (0, "<result>error: division by zero</result>"),
                                       (1, "=?")]
-    assert (s.status, s.metadata["tool_calls"]) == (Status.COMPLETED, 1)
+    assert (s.status, s.metadata["tool_calls"], s.metadata["tool_errors"]) == (Status.COMPLETED, 1, 1)
 
 
 def test_max_turns_ends_at_the_unanswered_call(engine):

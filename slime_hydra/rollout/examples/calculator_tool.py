@@ -14,9 +14,10 @@ sample). Token layout of one sample::
 
 ``response_length`` counts model and tool tokens (the tool's count against ``max_new_tokens`` too), ``response``
 is the decoded response (tool results included, so the reward sees them), ``metadata["tool_calls"]`` the calls
-answered. Status: from the last finish reason (``stop`` -> completed, ``length`` -> truncated, ``abort`` ->
-aborted); truncated whenever the budget (or the context) is spent, including when a tool result does not fit (it
-is then left out). An aborted sample keeps its turns and ``tool_calls``, so a recycled partial rollout resumes
+answered and ``metadata["tool_errors"]`` those answered with an error (logged as ``rollout/metadata/tool_calls``
+and ``tool_errors``, beside ``rollout/masked_tokens``). Status: from the last finish reason (``stop`` -> completed,
+``length`` -> truncated, ``abort`` -> aborted); truncated whenever the budget (or the context) is spent, including
+when a tool result does not fit (it is then left out). An aborted sample keeps its turns and ``tool_calls``, so a recycled partial rollout resumes
 where it stopped.
 
 The tool's message is data, never an exception: a malformed or too large expression gives
@@ -143,7 +144,7 @@ class CalculatorGenerate:
         stops = params.get("stop") or []
         turn_params = {**params, "stop": ([stops] if isinstance(stops, str) else list(stops)) + [CALL_CLOSE]}
         prompt_length = sample.prompt_length
-        calls = int(sample.metadata.get("tool_calls", 0))
+        calls, errors = int(sample.metadata.get("tool_calls", 0)), int(sample.metadata.get("tool_errors", 0))
         while True:
             budget = min(params["max_new_tokens"] - sample.response_length,
                          ctx.max_context_tokens - len(sample.tokens))
@@ -171,12 +172,13 @@ class CalculatorGenerate:
                 sample.status = Status.TRUNCATED
                 break
             calls += 1
+            errors += answer.startswith("error:")
             sample.tokens = sample.tokens + tool_ids
             sample.response_length += len(tool_ids)
             sample.loss_mask = sample.loss_mask + [0] * len(tool_ids)
             sample.rollout_log_probs = sample.rollout_log_probs + [0.0] * len(tool_ids)
         sample.response = ctx.tokenizer.decode(sample.tokens[prompt_length:], skip_special_tokens=True)
-        sample.metadata["tool_calls"] = calls
+        sample.metadata["tool_calls"], sample.metadata["tool_errors"] = calls, errors  # rollout/metadata/tool_*
         return sample
 
 
