@@ -21,9 +21,10 @@ DEMO_TASKS = ("addition",)
 def advice(cfg: SlimeConfig, d: Derived) -> list[Problem]:
     out = []
     if cfg.model.path is not None and cfg.data.path is None and cfg.data.task in DEMO_TASKS:
-        out.append(Problem(("data.task", "model.path"), f"model.path is a real checkpoint, but data.task={cfg.data.task} is "
-                           "the CPU demo's two-digit addition", "choose its data: data=gsm8k, data=dapo_math_17k, "
-                           "or data=jsonl data.path=<your prompts>"))
+        out.append(Problem(("data.task", "model.path"),
+                           f"model.path is a real checkpoint, but data.task={cfg.data.task} is the CPU demo's "
+                           "two-digit addition",
+                           "choose its data: data=gsm8k, data=dapo_math_17k, or data=jsonl data.path=<your prompts>"))
     held = d.nodes * d.gpus_per_node
     if cfg.cluster.gpus_per_node and d.total_gpus < held:
         share = ("the trainer ranks and the engines share " if cfg.cluster.colocate else

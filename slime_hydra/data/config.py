@@ -150,8 +150,8 @@ class DataConfig:
         names = [e.name for e in self.eval]
         for i, name in enumerate(names):
             if not re.fullmatch(r"[\w.+=,@-]+", name) or set(name) == {"."}:
-                yield Problem((f"{prefix}eval.{i}.name",), f"{name!r} is not a plain name (letters, digits and . _ - + = "
-                              ", @): it names the metrics eval/<name>/...", f"set {prefix}eval.{i}.name=heldout")
+                yield Problem((f"{prefix}eval.{i}.name",), f"{name!r} is not a plain name (letters, digits and "
+                              ". _ - + = , @): it names the metrics eval/<name>/...", f"set {prefix}eval.{i}.name=heldout")
             elif name in names[:i]:
                 yield Problem((f"{prefix}eval.{i}.name",), f"two eval sets are called {name!r}: the second's metrics "
                               "would overwrite the first's", f"give {prefix}eval.{i}.name another name")

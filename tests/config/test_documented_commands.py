@@ -19,7 +19,8 @@ from slime_hydra.config import PROJECT_ROOT
 DOCS = [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]
 SITES = {"cluster=mysite": "cluster=slurm_8xh100"}
 """Site names the docs use for the user's own site file, and the shipped site file that stands in for them."""
-REFUSED = {"rollout.temprature=0.7": "unknown key 'temprature' in RolloutConfig (rollout); did you mean 'rollout.temperature'?"}
+REFUSED = {"rollout.temprature=0.7":
+           "unknown key 'temprature' in RolloutConfig (rollout); did you mean 'rollout.temperature'?"}
 """An override in a documented command that the docs show being refused -> what the refusal must say."""
 TEMPLATE = re.compile(r"\.\.\.|\[overrides\]|<[^>]*>|\|")
 

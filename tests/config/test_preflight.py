@@ -25,7 +25,7 @@ def preflight(*overrides: str) -> list:
 
 
 def only(found: list, key: str, fragment: str) -> str:
-    """The one problem found, which names ``key`` and says ``fragment``; its text."""
+    """The one problem found, which names ``key`` and says ``fragment``; its text (asserted: never empty)."""
     assert len(found) == 1, [str(p) for p in found]
     text = str(found[0])
     assert key in found[0].keys and fragment in text, text
@@ -56,7 +56,7 @@ GOOD = json.dumps({"prompt": "1+1=", "label": "2"})
 # ---- data -----------------------------------------------------------------------------------------------------------
 def test_an_empty_file_and_a_slice_past_the_end_are_refused(tmp_path):
     empty = rows(tmp_path / "empty.jsonl")
-    only(preflight(*JSONL, f"data.path={empty}"), "data.path", "has no rows: the run would have no prompts")
+    assert only(preflight(*JSONL, f"data.path={empty}"), "data.path", "has no rows: the run would have no prompts")
     two = rows(tmp_path / "two.jsonl", GOOD, GOOD)
     text = only(preflight(*JSONL, f"data.path={two}", "data.row_start=5"), "data.row_start", "no rows in [5, end)")
     assert "widen data.row_start / data.row_end" in text
@@ -64,7 +64,7 @@ def test_an_empty_file_and_a_slice_past_the_end_are_refused(tmp_path):
 
 def test_a_file_whose_every_row_is_skipped_is_refused(tmp_path):
     bad = rows(tmp_path / "bad.jsonl", "not json", '{"prompt": 3}')
-    only(preflight(*JSONL, f"data.path={bad}", "data.on_bad_line=skip"), "data.on_bad_line",
+    assert only(preflight(*JSONL, f"data.path={bad}", "data.on_bad_line=skip"), "data.on_bad_line",
          "every one of the 2 rows")
 
 
@@ -89,7 +89,7 @@ def test_the_byte_cap_holds_exactly_at_its_bound(tmp_path):
 
 def test_a_row_that_is_not_utf8_names_its_line(tmp_path):
     path = rows(tmp_path / "latin1.jsonl", GOOD, b'{"prompt": "caf\xe9", "label": "1"}')
-    only(preflight(*JSONL, f"data.path={path}"), "data.on_bad_line", "line 2: not UTF-8 (byte 16")
+    assert only(preflight(*JSONL, f"data.path={path}"), "data.on_bad_line", "line 2: not UTF-8 (byte 16")
 
 
 # ---- the reward, called once ----------------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ def test_a_row_that_is_not_utf8_names_its_line(tmp_path):
 ])
 def test_a_custom_reward_is_called_once_on_the_first_row(plugins, body, key, fragment):
     plugins(f"def score(response, label, metadata):\n    {body}\n")
-    only(preflight("reward=custom", "reward.target=plug.score"), key, fragment)
+    assert only(preflight("reward=custom", "reward.target=plug.score"), key, fragment)
 
 
 def test_a_good_reward_passes_and_sees_the_row(plugins, tmp_path):
@@ -125,7 +125,7 @@ def test_a_group_reward_that_returns_too_few_is_refused(plugins):
         def score(responses, labels, metadatas):
             return [1.0]
     """)
-    only(preflight("reward=custom", "reward.target=plug.score"), "reward.target", "returned 1 rewards for 8")
+    assert only(preflight("reward=custom", "reward.target=plug.score"), "reward.target", "returned 1 rewards for 8")
 
 
 # ---- plug-ins -------------------------------------------------------------------------------------------------------
@@ -144,10 +144,10 @@ def test_a_plugin_whose_import_raises_anything_is_refused(plugins, top, fragment
 def test_a_broken_config_json_is_refused_by_key(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     found = [p for p in preflight(f"model.path={tmp_path}") if "model.path" in p.keys]
-    only(found, "model.path", "config.json cannot be read: JSONDecodeError")
+    assert only(found, "model.path", "config.json cannot be read: JSONDecodeError")
     (tmp_path / "config.json").write_text("[1, 2]")
     found = [p for p in preflight(f"model.path={tmp_path}") if "model.path" in p.keys]
-    only(found, "model.path", "a JSON object")
+    assert only(found, "model.path", "a JSON object")
 
 
 def test_a_checkpoint_needs_its_weights_and_a_tokenizer_that_loads(tmp_path):
@@ -168,8 +168,8 @@ def test_a_checkpoint_needs_its_weights_and_a_tokenizer_that_loads(tmp_path):
 
 def test_output_dir_must_be_a_writable_directory(tmp_path):
     (tmp_path / "file").write_text("")
-    only(preflight(f"output_dir={tmp_path}/file/runs"), "output_dir", "is a file, not a directory")
-    only(preflight("output_dir=/proc/sys/runs"), "output_dir", "/proc/sys cannot hold a new file")
+    assert only(preflight(f"output_dir={tmp_path}/file/runs"), "output_dir", "is a file, not a directory")
+    assert only(preflight("output_dir=/proc/sys/runs"), "output_dir", "/proc/sys cannot hold a new file")
     assert preflight(f"output_dir={tmp_path}/new/runs") == []
     assert not (tmp_path / "new").exists()  # the check makes nothing
 

@@ -17,8 +17,8 @@ is the decoded response (tool results included, so the reward sees them), ``meta
 answered and ``metadata["tool_errors"]`` those answered with an error (logged as ``rollout/metadata/tool_calls``
 and ``tool_errors``, beside ``rollout/masked_tokens``). Status: from the last finish reason (``stop`` -> completed,
 ``length`` -> truncated, ``abort`` -> aborted); truncated whenever the budget (or the context) is spent, including
-when a tool result does not fit (it is then left out). An aborted sample keeps its turns and ``tool_calls``, so a recycled partial rollout resumes
-where it stopped.
+when a tool result does not fit (it is then left out). An aborted sample keeps its turns and ``tool_calls``, so a
+recycled partial rollout resumes where it stopped.
 
 The tool's message is data, never an exception: a malformed or too large expression gives
 ``<result>error: ...</result>`` and the model carries on.
