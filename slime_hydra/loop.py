@@ -7,8 +7,7 @@ Who does what (docs/architecture.md has the whole map):
 - Ray places one bundle per GPU (``{GPU: 1, CPU: 1}``; ``{CPU: 1}`` per role process on a CPU-only machine).
   Training ranks take the first ``train.num_gpus`` bundles; engines take the next ``rollout.num_gpus``
   (disaggregated) or share the training bundles (``cluster.colocate``).
-- ``TrainGroup`` (train/group.py): the rank actors, one torch.distributed group, the actor backend (and the
-  critic for PPO).
+- ``TrainGroup`` (train/group.py): the rank actors, one torch.distributed group, the backend (+ critic for PPO).
 - ``RolloutManager`` (rollout/manager.py), an async Ray actor: router, engines, prompt source, buffer, rewards,
   eval sets. ``generate_batch`` returns a full training batch of scored, filtered samples.
 - Weight sync (train/weight_sync.py): every ``sync_every_steps`` steps the trainer pushes its weights to the
@@ -101,7 +100,8 @@ def run(cfg: SlimeConfig, run_dir: Path) -> str:
     write_json(run_dir / RUN_RECORD, record)
     outcome, error = "failed", None
     try:
-        usable_cores()  # sampled (once per process) before the warm start and Ray's daemons load the cores
+        if not os.environ.get("RAY_ADDRESS"):  # this run's own node: its thread counts follow the idle cores
+            usable_cores()  # sampled (once per process) before the warm start and Ray's daemons load the cores
         model_path = resolve_model_path(cfg.model, cfg.data, cfg.seed)
         record["model_path"] = str(model_path)  # what export.py builds the run's HF exports on
         write_json(run_dir / RUN_RECORD, record)
