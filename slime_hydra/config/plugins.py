@@ -10,21 +10,29 @@ naming the key and the import error, instead of inside a Ray actor half a minute
 
 Importing runs the module's top level, as the run would; ``dotted.import_callable`` is the one importer.
 
-``check_reward_call`` then calls a custom reward once on a real row of the run's data, the way the rollout does
-(``reward/scorer.RewardScorer``, a group of ``rollout.n_samples_per_prompt``), with the row's label as the
-response: an exception, a value that is not a finite number, or a dict without ``reward.reward_key`` is refused
-here rather than at the first scored group.
+``check_reward_call`` then calls a custom reward once on a real row of the run's data, with the row's label as the
+response (a @group_reward function: a group of ``rollout.n_samples_per_prompt`` of them; async ones awaited): an
+exception, a value that is not a finite number, a dict without ``reward.reward_key``, a group of the wrong size, or
+a call past ``reward.timeout_s`` is refused here rather than at the first scored group. The call runs in a daemon
+thread and is waited for at most CALL_BOUND_S: a reward that never returns (the stall doctor's case) neither holds
+the launch nor its exit. Not through reward/scorer.RewardScorer, whose pool threads the interpreter joins at exit.
 """
 
 import asyncio
 import inspect
 import math
+import sys
+import threading
 import traceback
 from typing import Any, Callable, Iterator, Optional
 
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.dotted import import_callable
 from slime_hydra.options import Problem
+
+CALL_BOUND_S = 30.0
+"""Seconds the pre-flight waits for the reward's one call at most (or reward.timeout_s when shorter): past it a
+call is not checked (a first call may load a model), unless reward.timeout_s itself has passed."""
 
 
 def _targets(cfg: SlimeConfig) -> list[tuple[str, str, str, int, bool]]:
@@ -81,30 +89,42 @@ def check_reward_call(cfg: SlimeConfig, first_rows: dict[str, tuple]) -> Iterato
     row = first_rows.get("data.path") or _first_task_row(cfg)
     if row is None:
         return
-    from slime_hydra.reward.scorer import RewardScorer
+    from slime_hydra.reward.registry import get_reward_fn, is_group_reward
 
     _, label, metadata = row
     response = "" if label is None else str(label)
     n = cfg.rollout.n_samples_per_prompt
     called = f"{cfg.reward.target}({response[:40]!r}, label={label!r:.60}, metadata)"
-    scorer = None
-    try:
-        scorer = RewardScorer(cfg.reward)
-        rewards = asyncio.run(asyncio.wait_for(scorer.score_group([response] * n, [label] * n, [metadata] * n),
-                                               cfg.reward.timeout_s + 5))
-    except (Exception, SystemExit) as error:
+    fn = get_reward_fn("custom", cfg.reward.target)
+    group = is_group_reward(fn)
+    outcome: dict = {}
+    thread = threading.Thread(target=_call, args=(fn, ([response] * n, [label] * n, [metadata] * n) if group
+                                                  else (response, label, metadata), outcome),
+                              name="reward-preflight", daemon=True)  # a call that never returns cannot hold exit
+    bound = min(cfg.reward.timeout_s, CALL_BOUND_S)
+    thread.start()
+    thread.join(bound)
+    if thread.is_alive():
+        if bound == cfg.reward.timeout_s:
+            yield Problem(("reward.target", "reward.timeout_s"), f"{called} took over reward.timeout_s="
+                          f"{cfg.reward.timeout_s} s on the data's first row: the run would score such responses 0",
+                          "make it faster, or raise reward.timeout_s")
+        else:
+            print(f"slime_hydra: warning: {called} did not return within {bound:g} s on the data's first row; "
+                  "its answer is not checked before the run", file=sys.stderr)
+        return
+    error = outcome.get("error")
+    if error is not None:
         frames = traceback.extract_tb(error.__traceback__)
         where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
         yield Problem(("reward.target",), f"{called} on the data's first row raised {type(error).__name__}: "
                       f"{error}{where}", "make it return a float (or a dict and reward.reward_key) for every response")
         return
-    finally:
-        if scorer is not None:
-            scorer.pool.shutdown(wait=False, cancel_futures=True)
-    if scorer.timeouts:
-        yield Problem(("reward.target", "reward.timeout_s"), f"{called} took over reward.timeout_s="
-                      f"{cfg.reward.timeout_s} s on the data's first row: the run would score such responses 0",
-                      "make it faster, or raise reward.timeout_s")
+    rewards = outcome["value"] if group else [outcome["value"]]
+    if group and (not isinstance(rewards, (list, tuple)) or len(rewards) != n):
+        count = len(rewards) if isinstance(rewards, (list, tuple)) else type(rewards).__name__
+        yield Problem(("reward.target",), f"group reward {called} returned {count} rewards for {n} responses",
+                      "return one reward per response, in order")
         return
     value, key = rewards[0], cfg.reward.reward_key
     if isinstance(value, dict) and key not in value:
@@ -121,6 +141,19 @@ def check_reward_call(cfg: SlimeConfig, first_rows: dict[str, tuple]) -> Iterato
         yield Problem(("reward.target",), f"{called} returned {value!r:.80} on the data's first row"
                       + (f" (reward.reward_key={key})" if isinstance(value, dict) else ""),
                       "return a finite float (or a dict whose reward.reward_key holds one)")
+
+
+def _call(fn: Callable, args: tuple, outcome: dict) -> None:
+    """fn(*args), awaited if it is async; its value or what it raised goes to ``outcome``."""
+    try:
+        value = fn(*args)
+        outcome["value"] = asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
+    except BaseException as error:  # SystemExit too: reported, never raised in the launch
+        outcome["error"] = error
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def _first_task_row(cfg: SlimeConfig) -> Optional[tuple]:

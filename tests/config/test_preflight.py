@@ -233,3 +233,16 @@ def test_a_huge_parquet_row_is_a_bad_row_and_the_file_is_read_in_batches(tmp_pat
     assert "1 malformed row(s) in all 2500 rows" in text
     kept = load_prompt_file(str(path), build_tiny_tokenizer(), on_bad_line="skip", row_start=1499, row_end=1503)
     assert [r.row for r in kept.records] == [1499, 1501, 1502] and kept.stats.skipped == {"too_large": 1}
+
+
+def test_a_reward_that_does_not_return_neither_holds_the_launch_nor_passes_its_timeout(plugins, monkeypatch, capsys):
+    """Past reward.timeout_s the run would score 0: refused. A reward slower than the pre-flight's own bound but
+    within its timeout (a first call may load a model) is only warned about; its thread is a daemon."""
+    from slime_hydra.config import plugins as preflight_plugins
+
+    plugins("import time\ndef score(response, label, metadata):\n    time.sleep(60)\n    return 1.0\n")
+    assert only(preflight("reward=custom", "reward.target=plug.score", "reward.timeout_s=0.5"), "reward.timeout_s",
+                "took over reward.timeout_s=0.5 s")
+    monkeypatch.setattr(preflight_plugins, "CALL_BOUND_S", 0.5)
+    assert preflight("reward=custom", "reward.target=plug.score") == []
+    assert "did not return within 0.5 s on the data's first row" in capsys.readouterr().err
