@@ -6,9 +6,9 @@ embedded engine and the rollout manager's replay, the receivers).
 - **distributed**: the trainer's rank 0 and every engine join one extra process group (``init_weight_update_group``;
   trainer rank 0, engine ranks ``rank_offset + i``), then the trainer broadcasts each tensor from rank 0 in the order
   named in the engine's ``/update_weights_from_distributed`` request (``send_named_tensors`` / ``recv_named_tensors``).
-  The group is built on a ``tcp://master_address:master_port`` rendezvous store wrapped in ``PrefixStore(group_name)``
-  and torch's process-group helper, which is the layout SGLang engines use, so one trainer-side code path serves both
-  engine kinds. gloo on CPU, nccl on GPU.
+  The group is built on a TCPStore at ``master_address:master_port`` (hosted by rank 0, listening on that address
+  alone: ``net.tcp_store``) wrapped in ``PrefixStore(group_name)`` and torch's process-group helper, which is the
+  layout SGLang engines use, so one trainer-side code path serves both engine kinds. gloo on CPU, nccl on GPU.
 - **tensor payload**: ``/update_weights_from_tensor`` carries ``serialized_named_tensors``, a list with one string per
   engine tensor-parallel rank (the embedded engine has one). Here each string is the base64 text of a safetensors
   blob (``encode_named_tensors``): portable, no pickle, so nothing in a request can run code. Real SGLang expects its
@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
+
+from slime_hydra.net import tcp_store
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
@@ -229,9 +231,7 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
             raise ValueError(f"backend nccl needs a CUDA device, not {cuda}; use gloo on CPU")
         extra["device_id"] = cuda if cuda.index is not None else torch.device("cuda", torch.cuda.current_device())
     with _loopback_sockets(_is_loopback(master_address)):
-        store, rank, world_size = next(dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                                       timeout=timeout))
-        store.set_timeout(timeout)
+        store = tcp_store(master_address, master_port, rank, world_size, timeout)
         group, _ = _new_process_group_helper(world_size, rank, [], backend, dist.PrefixStore(group_name, store),
                                              group_name=group_name, timeout=timeout, **extra)
     # Group ranks are global ranks here: this group is not a subset of a default world.

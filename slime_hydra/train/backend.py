@@ -230,10 +230,15 @@ def set_rng_state(state: dict) -> None:
 
 def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500) -> None:
     """Join the trainer's process group: gloo for host tensors always, nccl for CUDA tensors when there is a GPU
-    (the backends all-reduce small host tensors: loss units, metrics)."""
-    os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ.setdefault("MASTER_PORT", str(master_port))
+    (the backends all-reduce small host tensors: loss units, metrics). Rank 0 hosts the group's store on the master
+    address alone (``net.tcp_store``); MASTER_ADDR / MASTER_PORT, where set, win over the arguments, as they did
+    when torch's ``env://`` rendezvous read them (scripts/probe_*.py pick their port that way)."""
+    from slime_hydra.net import tcp_store
+
+    host = os.environ.get("MASTER_ADDR", master_addr)
+    port = int(os.environ.get("MASTER_PORT", master_port))
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    store = tcp_store(host, port, rank, world_size, dist.default_pg_timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
