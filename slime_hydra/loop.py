@@ -56,6 +56,7 @@ from slime_hydra.buffer.sample import Sample
 from slime_hydra.checkpoint import RUN_RECORD, Checkpoints, export_dir
 from slime_hydra.durable import write_json
 from slime_hydra.cluster.local_ray import LocalRay, connect, death_report
+from slime_hydra.cluster.ray_cluster import placement_bundles
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import plan_memory
 from slime_hydra.config.schema import SlimeConfig
@@ -129,9 +130,8 @@ def run(cfg: SlimeConfig, run_dir: Path) -> str:
 
 
 def init_ray(cfg: SlimeConfig, run_dir: Path) -> Optional[LocalRay]:
-    """Join the Ray cluster in RAY_ADDRESS (a SLURM job), or start this machine's node (cluster/local_ray.py: one
-    logical CPU per role process on a CPU-only machine, at least this machine's cores) and connect to it; returns
-    that node (to stop at the end), None when joined."""
+    """Join the Ray cluster in RAY_ADDRESS (a SLURM job), or start this machine's node (cluster/local_ray.py: one logical
+    CPU per role process on a CPU-only machine, at least its cores); returns that node (to stop at the end) or None."""
     d = derive(cfg)
     cpus = cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, d.total_gpus if cfg.cluster.gpus_per_node == 0 else 1)
     return connect(cpus, run_dir / "logs" / "ray_start.log")
@@ -193,8 +193,7 @@ class Session:
         """One bundle per GPU, or per role process on a CPU-only machine; wait until Ray reserved them all."""
         self.on_gpu = self.cfg.cluster.gpus_per_node > 0
         self.colocated_moves = bool(plan_memory(self.cfg, self.d).colocated_moves)
-        unit = {"GPU": 1, "CPU": 1} if self.on_gpu else {"CPU": 1}
-        self.pg = placement_group([dict(unit) for _ in range(self.d.total_gpus)], strategy="PACK")
+        self.pg = placement_group(placement_bundles(self.on_gpu, self.d.bundle_nodes), strategy="PACK")
         ray.get(self.pg.ready(), timeout=self.cfg.cluster.ray_wait_nodes_s)
 
     @property
@@ -222,7 +221,7 @@ class Session:
         """Create the engine actors and the rollout manager; returns the future of its start (the engine URLs).
         Called before the trainer starts, so the two sides start at once (processes, imports, the model, the engine
         servers: seconds each), except colocated on GPUs, where the engines start once the trainer holds its memory."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
         from slime_hydra.rollout.engines.actor import EngineActor, engine_gpu_ids
         from slime_hydra.rollout.manager import RolloutManager
@@ -245,7 +244,8 @@ class Session:
                                         max_batch_size=cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt,
                                         torch_threads=self.cpu_threads, sglang=sglang, gpu_ids=gpu_ids[i],
                                         lora=lora, return_routed_experts=cfg.algo.routing_replay))
-        self.manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # router too
+        self.manager = ray.remote(RolloutManager).options(num_cpus=0, scheduling_strategy=here).remote(
             cfg, str(self.model_path), str(self.run_dir), engines)
         return self.manager.start.remote()
 

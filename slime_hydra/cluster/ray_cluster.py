@@ -26,15 +26,19 @@
 """
 
 import collections
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
+from slime_hydra.checkpoint import JOB_ERROR
 from slime_hydra.cluster.config import ClusterConfig
 from slime_hydra.cluster.local_ray import NO_DRAIN_ENV
 from slime_hydra.lifetime import die_with_parent
@@ -43,13 +47,23 @@ from slime_hydra.net import answers, free_port
 CLEARED_ENV_PREFIXES = ("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "PMI_", "PMIX_", "OMPI_", "SUBMITIT_")
 """Variables removed from the environment of the Ray processes (and so of every actor)."""
 
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
            **NO_DRAIN_ENV}
-"""Set for the Ray processes and the driver. Cluster mode must be ON here: with
-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (right for single-machine runs, docs/architecture.md "Machine facts") ``ray start --address`` refuses
-to join and a driver takes 127.0.0.1 as its node address; the explicit ``--node-ip-address`` keeps Ray off the
-machine's other interfaces instead. No token auth (a stale ~/.ray/auth_token would otherwise turn it on); no drain on
-stop (local_ray.NO_DRAIN_ENV)."""
+"""Set for the Ray processes and the driver, with RAY_AUTH_TOKEN_PATH (``token_env``). Cluster mode must be ON here:
+with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (right for single-machine runs, docs/architecture.md "Machine facts") ``ray
+start --address`` refuses to join and a driver takes 127.0.0.1 as its node address; the explicit
+``--node-ip-address`` keeps Ray off the machine's other interfaces instead. Token auth: every process that talks to
+the GCS or a raylet (nodes, driver, workers, which inherit it) presents the job's token, so a host that reaches the
+ports but cannot read the token file cannot join, submit work or read the run's secrets. No drain on stop
+(local_ray.NO_DRAIN_ENV)."""
+
+AUTH_TOKEN_FILE = "ray_auth_token"
+"""The job's Ray token, in its submitit folder (shared storage, mode 0600): written at submission (``write_token``),
+read by every task; requeued jobs keep the folder and so the token. Only its path travels (environment, logs)."""
+
+NODE_IPS_ENV = "SLIME_HYDRA_NODE_IPS"
+"""Set for the job body on the head: the allocation's node addresses, comma-separated, head first (SLURM's node
+order). The run pins placement bundle b to node ``derived.bundle_nodes[b]`` of this list (loop.py)."""
 
 STOP_GRACE_S = 2.0
 """Seconds a ray start process group gets between SIGTERM and SIGKILL (the driver is done by then: nothing to
@@ -60,12 +74,52 @@ class RayBootstrapError(RuntimeError):
     """Ray could not be brought up across the allocation (a node did not join, the head died)."""
 
 
-def ray_process_env(environ: Optional[dict] = None) -> dict:
-    """The environment for ``ray start``: the job's, minus the scheduler's rank variables, plus RAY_ENV."""
+def write_token(folder: Path) -> Path:
+    """Create the job's Ray token in its submitit folder: 32 random bytes as hex, mode 0600 from the start."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / AUTH_TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def token_env(folder: Path) -> dict:
+    """RAY_ENV plus the path of the job's token; fails (RayBootstrapError) when the token is missing or readable
+    by others."""
+    path = Path(folder) / AUTH_TOKEN_FILE
+    try:
+        mode = path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        raise RayBootstrapError(f"the job's Ray token {path} is missing (launch.py writes it at submission); "
+                                "submit the job again") from None
+    if mode & 0o077:
+        raise RayBootstrapError(f"the job's Ray token {path} has mode {mode:o}: others could join its Ray cluster; "
+                                f"chmod 600 {path}")
+    return {**RAY_ENV, "RAY_AUTH_TOKEN_PATH": str(path)}
+
+
+def ray_process_env(folder: Path, environ: Optional[dict] = None) -> dict:
+    """The environment for ``ray start``: the job's, minus the scheduler's rank variables, plus ``token_env``."""
     environ = dict(os.environ if environ is None else environ)
     env = {k: v for k, v in environ.items() if not k.startswith(CLEARED_ENV_PREFIXES) and k != "RAY_ADDRESS"}
-    env.update(RAY_ENV)
+    env.update(token_env(folder))
     return env
+
+
+def placement_bundles(on_gpu: bool, bundle_nodes: Sequence[int]) -> list[dict]:
+    """One placement bundle per entry of ``bundle_nodes`` (derived.bundle_nodes): {GPU: 1, CPU: 1} per GPU, {CPU: 1}
+    per role process on a CPU-only cluster; on a job of several nodes (NODE_IPS_ENV set) also a sliver of Ray's
+    per-node resource ``node:<ip>``, which pins bundle b to node ``bundle_nodes[b]``: the layout the dry run shows
+    is the one that runs."""
+    unit = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
+    ips = [ip for ip in os.environ.get(NODE_IPS_ENV, "").split(",") if ip]
+    if max(bundle_nodes, default=0) == 0:
+        return [dict(unit) for _ in bundle_nodes]
+    if max(bundle_nodes) >= len(ips):
+        raise RayBootstrapError(f"the layout needs {max(bundle_nodes) + 1} nodes, the job has {len(ips)} "
+                                f"({NODE_IPS_ENV}={os.environ.get(NODE_IPS_ENV, '')!r})")
+    return [{**unit, f"node:{ips[node]}": 0.001} for node in bundle_nodes]
 
 
 def head_port(cluster: ClusterConfig, job_id: str) -> int:
@@ -104,6 +158,10 @@ class RayCluster:
         self.port = head_port(cluster, self.job_id)
         self.address = f"{self.head_ip}:{self.port}"
         self.temp_dir = temp_dir_for(self.job_id, self.rank)
+        self.folder = Path(self.env.paths.folder)
+        # the driver (rank 0's job body) talks to Ray too; Ray reads these when it is first imported, so here,
+        # before the job body's module is
+        os.environ.update(token_env(self.folder))
         self.proc: Optional[subprocess.Popen] = None
         self.failed = False
 
@@ -125,7 +183,6 @@ class RayCluster:
     # ---- start / wait / serve / stop -------------------------------------------------------------------------
     def start(self) -> None:
         """Start this task's Ray node: the head on rank 0; elsewhere join once the head's port answers."""
-        os.environ.update(RAY_ENV)  # the driver (rank 0's job body) needs them too
         node_ip = socket.gethostbyname(socket.gethostname()) if not self.is_head else self.head_ip
         args = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
                 f"--node-ip-address={node_ip}", f"--temp-dir={self.temp_dir}", f"--num-cpus={self.num_cpus()}",
@@ -137,7 +194,7 @@ class RayCluster:
             self._wait_for_head()
             args += [f"--address={self.address}"]
         print(f"rank {self.rank}: {' '.join(args[3:])}", flush=True)
-        self.proc = subprocess.Popen(args, env=ray_process_env(), start_new_session=True, stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(args, env=ray_process_env(self.folder), start_new_session=True, stdin=subprocess.DEVNULL,
                                      preexec_fn=die_with_parent)
 
     def _wait_for_head(self) -> None:
@@ -169,8 +226,10 @@ class RayCluster:
                     cpus = sum(n["Resources"].get("CPU", 0) for n in alive)
                     gpus = sum(n["Resources"].get("GPU", 0) for n in alive)
                     print(f"Ray up at {self.address}: {len(alive)} node(s), {cpus:g} CPUs, {gpus:g} GPUs", flush=True)
+                    os.environ[NODE_IPS_ENV] = ",".join(socket.gethostbyname(h) for h in self.env.hostnames)
                     return
                 self._check_alive()
+                self._check_other_ranks()
                 if time.monotonic() > deadline:
                     raise RayBootstrapError(
                         f"{len(alive)} of {len(expected)} Ray nodes joined {self.address} within "
@@ -180,10 +239,40 @@ class RayCluster:
         finally:
             ray.shutdown()
 
+    def lost_nodes(self) -> set[str]:
+        """Head only, after the job body failed: the addresses of the job's nodes that are gone, those Ray marked
+        dead or whose raylet no longer accepts connections (it notices a lost node only after several missed health
+        checks; a refused or unanswered connection says so at once). Empty when the head itself is unreachable."""
+        import ray
+
+        try:
+            if not answers(self.head_ip, self.port):
+                return set()
+            if not ray.is_initialized():
+                ray.init(address=self.address, logging_level="WARNING", log_to_driver=False)
+            return {n["NodeManagerAddress"] for n in ray.nodes()
+                    if not n["Alive"] or not answers(n["NodeManagerAddress"], n["NodeManagerPort"])}
+        except Exception as error:  # the body's own error is the one to report
+            print(f"could not ask Ray which nodes are gone: {error}", flush=True)
+            return set()
+
     def _check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             raise RayBootstrapError(f"rank {self.rank}: 'ray start' exited with code {self.proc.returncode}; "
                                     f"Ray's logs are in {self.temp_dir}/session_latest/logs")
+
+    def _check_other_ranks(self) -> None:
+        """Fail now, naming the host and its error, when another task already recorded that it failed (its error
+        record in the submitit folder, launch/submit.py record_failure): its node will never join."""
+        for rank in range(1, self.env.num_tasks):
+            path = self.folder / JOB_ERROR.format(job_id=self.job_id, rank=rank)
+            if path.exists():
+                try:
+                    record = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue  # being written: read on the next poll
+                raise RayBootstrapError(f"rank {rank} on {record.get('host', '?')} failed before its Ray node "
+                                        f"joined: {record.get('error', '?')}")
 
     def serve(self, poll_s: float = 1.0, misses: int = 3) -> None:
         """Non-head ranks: keep this node up until the head's GCS stops answering (or this node dies)."""
@@ -197,7 +286,12 @@ class RayCluster:
         print(f"rank {self.rank}: the Ray head is gone; stopping this node", flush=True)
 
     def stop(self) -> None:
-        """Kill this task's ray start process group (SIGTERM, then SIGKILL); remove the temp dir unless failed."""
+        """Disconnect this process from Ray, kill this task's ray start process group (SIGTERM, then SIGKILL); remove
+        the temp dir unless failed. A process still connected when its node's raylet dies is ended by Ray on the
+        spot (exit code 1), before it could record why the job failed: hence the disconnect first."""
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
         if self.proc is not None:
             try:
                 pgid = os.getpgid(self.proc.pid)

@@ -308,8 +308,8 @@ def plan_memory(cfg: SlimeConfig, d: Derived) -> MemoryPlan:
     engine = engine_usage(cfg, d) if cfg.debug.mode != "train_only" else Usage("engine")
     lora = "fp32 adapters + grads" in trainer.parts
     trained = trainer.parts["fp32 adapters + grads" if lora else "fp32 masters + grads"] / 8
-    ranks_per_node = min(d.train_gpus, d.gpus_per_node) if on_gpu else d.train_gpus
-    engines_per_node = min(d.num_engines, d.gpus_per_node) if on_gpu else d.num_engines
+    ranks_per_node = min(d.train_gpus, d.gpus_per_node) if on_gpu else -(-d.train_gpus // d.nodes)
+    engines_per_node = min(d.num_engines, d.gpus_per_node) if on_gpu else -(-d.num_engines // d.nodes)
     host = Usage("host")
     processes = ranks_per_node + engines_per_node + 2  # + the driver and the rollout manager
     host.parts["processes"] = processes * PROCESS_HOST[on_gpu] + RAY_SERVICES_HOST

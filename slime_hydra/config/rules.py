@@ -161,6 +161,22 @@ def check_placement(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"colocated roles share the same GPUs, but rollout.num_gpus={cfg.rollout.num_gpus} and "
                       f"train.num_gpus={cfg.train.num_gpus}",
                       "set rollout.num_gpus=null (it follows train.num_gpus) or cluster.colocate=false")
+    if c.nodes is not None and c.gpus_per_node > 0:
+        yield Problem(("cluster.nodes", "cluster.gpus_per_node"),
+                      f"cluster.nodes={c.nodes} is for CPU-only sites; with GPUs the node count is derived "
+                      f"(here {d.nodes}: ceil({d.total_gpus} GPUs / cluster.gpus_per_node={c.gpus_per_node}))",
+                      "remove cluster.nodes (set cluster.nodes=null)")
+    elif (c.nodes or 1) > 1:
+        if c.scheduler == "local":
+            yield Problem(("cluster.nodes", "cluster.scheduler"),
+                          f"cluster.nodes={c.nodes} spreads the run over several nodes, but cluster.scheduler=local "
+                          "runs it on this machine",
+                          "use a SLURM site (cluster=<site>), or cluster.nodes=null")
+        if c.nodes > d.total_gpus:
+            yield Problem(("cluster.nodes", "train.num_gpus", "rollout.num_gpus"),
+                          f"cluster.nodes={c.nodes} nodes for {d.total_gpus} role processes: "
+                          f"{c.nodes - d.total_gpus} node(s) would run nothing",
+                          f"set cluster.nodes <= {d.total_gpus}, or give the roles more processes")
     if c.gpus_per_node > 0:
         if c.scheduler == "local" and d.total_gpus > c.gpus_per_node:
             role_sum = "max(train, rollout)" if c.colocate else "train + rollout"
@@ -271,7 +287,7 @@ def check_schedule(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
 
 def check_lora(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     """train.lora options the model, the backend and the engines can honour."""
-    lora, t = cfg.train.lora, cfg.train
+    lora = cfg.train.lora
     if not lora.enabled:
         return
     if cfg.model.spec.fused_gate_up and {"gate_proj", "up_proj"} & set(lora.target_modules):

@@ -5,7 +5,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from slime_hydra.config.derive import Derived, gpu_hours_for
+from slime_hydra.config.derive import Derived, gpu_hours_for, node_roles
 from slime_hydra.config.memory import plan_memory
 from slime_hydra.dotted import import_callable
 from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
@@ -33,14 +33,14 @@ def derived_table(cfg: SlimeConfig, d: Derived) -> Table:
         ("engines", d.num_engines, f"rollout {unit} / rollout.gpus_per_engine({r.gpus_per_engine})"),
         (f"total {unit}", d.total_gpus, "max(train, rollout)" if cfg.cluster.colocate else "train + rollout"),
         ("nodes", d.nodes, f"ceil(total / cluster.gpus_per_node={cfg.cluster.gpus_per_node})"
-         if cfg.cluster.gpus_per_node else "this machine"),
+         if cfg.cluster.gpus_per_node else f"cluster.nodes={cfg.cluster.nodes}" if cfg.cluster.nodes else "this machine"),
         ("context (tokens)", d.context_tokens, "data.max_prompt_tokens + rollout.max_response_tokens"),
         ("weight sync", d.weight_sync, f"train.weight_sync={t.weight_sync}"
          + (" (colocated: tensor for embedded engines, disk for SGLang; else distributed)"
             if t.weight_sync == "auto" else "")),
         ("engine dtype", d.engine_dtype, f"train.dtype={t.dtype} on {'GPUs' if cfg.cluster.gpus_per_node else 'CPU'}"),
     ]
-    if cfg.cluster.scheduler == "slurm":
+    if cfg.cluster.scheduler == "slurm" and cfg.cluster.gpus_per_node:
         rows.append(("GPU-hours reserved", f"{gpu_hours_for(d, cfg.cluster.time_min):.1f}",
                      f"nodes x gpus_per_node x cluster.time_min({cfg.cluster.time_min}) / 60"))
     for name, value, source in rows:
@@ -64,6 +64,10 @@ def placement_lines(cfg: SlimeConfig, d: Derived) -> list[str]:
                      f"{cfg.rollout.gpus_per_engine}, behind sglang-router ({cfg.rollout.router_policy})")
         lines.append("  rollout manager actor: data source, buffer, reward "
                      f"'{cfg.reward.name}', router; {cfg.num_steps} rollout steps")
+    if d.nodes > 1:
+        for k, roles in enumerate(node_roles(cfg, d)):
+            head = " (Ray head: driver, rollout manager, router)" if k == 0 else ""
+            lines.append(f"  node {k + 1}{head}: {', '.join(roles) or 'nothing'}")
     return lines
 
 

@@ -65,11 +65,12 @@ class SlurmRun(submitit.helpers.Checkpointable):
         """Dotted path of body(cfg, run_dir), run on rank 0 as the Ray driver (RAY_ADDRESS set): cluster.job_body."""
 
     def __call__(self, cfg: SlimeConfig, run_dir: str) -> Optional[str]:
+        self.lost = ""  # set when the body failed because nodes were lost: which, and what ran there
         try:
             return self._run(cfg, run_dir)
         except Exception as error:
             try:
-                record_failure(error)
+                record_failure(error, self.lost)
             except OSError as unwritten:  # the job's own error matters more than its record
                 print(f"could not record the failure in the submitit folder: {unwritten}", flush=True)
             raise
@@ -78,13 +79,24 @@ class SlurmRun(submitit.helpers.Checkpointable):
         from slime_hydra.cluster.ray_cluster import RayCluster
 
         preempt.install()
-        body = resolve_body(self.body)
         with RayCluster(cfg.cluster) as ray_cluster:
             if not ray_cluster.is_head:
                 ray_cluster.serve()
                 return None
+            body = resolve_body(self.body)  # after RayCluster set Ray's environment: the body may import Ray
             os.environ["RAY_ADDRESS"] = ray_cluster.address
-            outcome = body(cfg, Path(run_dir))
+            layout = node_layout(cfg, ray_cluster.env.hostnames)
+            for _, line in layout:
+                print(line, flush=True)
+            try:
+                outcome = body(cfg, Path(run_dir))
+            except Exception:
+                gone = ray_cluster.lost_nodes()
+                lost = [line for ip, line in layout if ip in gone]
+                if lost:
+                    self.lost = f"lost {'; '.join(lost)}"
+                    print(self.lost, flush=True)
+                raise
         if outcome == "preempted" or preempt.requested():
             self._requeue()
         return outcome
@@ -111,12 +123,28 @@ class SlurmRun(submitit.helpers.Checkpointable):
             print(f"requeue failed: {error}", flush=True)
 
 
-def record_failure(error: BaseException) -> Path:
-    """Write why this task of the job failed to its error record in the submitit folder; return the path."""
+def node_layout(cfg: SlimeConfig, hostnames: Sequence[str]) -> list[tuple[str, str]]:
+    """Per node of the job, its address and ``node 2 mnode2 (10.77.0.2): train rank 1, engine 1`` (config/derive.py
+    node_roles; the run pins its placement to it)."""
+    from slime_hydra.config.derive import derive, node_roles
+
+    roles = node_roles(cfg, derive(cfg))
+    lines = []
+    for k, host in enumerate(hostnames):
+        what = roles[k] if k < len(roles) else []
+        head = ["driver", "rollout manager", "router"] if k == 0 else []
+        ip = socket.gethostbyname(host)
+        lines.append((ip, f"node {k + 1} {host} ({ip}): {', '.join(head + what) or 'nothing'}"))
+    return lines
+
+
+def record_failure(error: BaseException, where: str = "") -> Path:
+    """Write why this task of the job failed to its error record in the submitit folder; return the path. ``where``
+    (the node lost and what ran there) comes first in the error line."""
     env = submitit.JobEnvironment()
     path = env.paths.folder / JOB_ERROR.format(job_id=env.job_id, rank=env.global_rank)
     write_json(path, {"job_id": env.job_id, "rank": env.global_rank, "host": socket.gethostname(),
-                      "error": f"{type(error).__name__}: {error}"[:2000],
+                      "error": f"{where + ': ' if where else ''}{type(error).__name__}: {error}"[:2000],
                       "traceback": "".join(traceback.format_exception(error))[-TRACEBACK_CHARS:],
                       "time": time.time()})
     return path
@@ -150,7 +178,10 @@ def submit(cfg: SlimeConfig, derived: Derived, run_dir: Path, overrides: Sequenc
 
     tasks_per_node > 1 runs several Ray nodes per SLURM node (tests emulate a multi-node job on one host).
     """
+    from slime_hydra.cluster.ray_cluster import write_token
+
     folder = fresh_folder(run_dir)
+    write_token(folder)
     params = sbatch_parameters(cfg.cluster, derived, job_name=run_dir.name)
     params["ntasks_per_node"] = tasks_per_node
     executor = submitit.SlurmExecutor(folder=folder)

@@ -4,9 +4,12 @@ import json
 import os
 import pickle
 
+import pytest
+
 from slime_hydra import status
 from slime_hydra.cluster.config import ClusterConfig
-from slime_hydra.cluster.ray_cluster import head_port, missing_nodes, ray_process_env, temp_dir_for
+from slime_hydra.cluster.ray_cluster import (RayBootstrapError, head_port, missing_nodes, ray_process_env,
+                                             temp_dir_for, token_env, write_token)
 from slime_hydra.launch.submit import record_failure
 
 
@@ -17,12 +20,24 @@ def test_missing_nodes_names_the_hosts_that_did_not_join():
     assert missing_nodes(["vm", "vm"], ["vm"]) == ["vm"]
 
 
-def test_ray_processes_lose_the_scheduler_rank_variables():
-    env = ray_process_env({"SLURM_PROCID": "1", "PMI_RANK": "1", "PMIX_RANK": "1", "SUBMITIT_FOLDER": "x",
-                           "RAY_ADDRESS": "old:1", "CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/bin"})
+def test_ray_processes_lose_the_scheduler_rank_variables_and_present_the_job_token(tmp_path):
+    token = write_token(tmp_path / "job")
+    env = ray_process_env(tmp_path / "job", {"SLURM_PROCID": "1", "PMI_RANK": "1", "PMIX_RANK": "1",
+                                             "SUBMITIT_FOLDER": "x", "RAY_ADDRESS": "old:1",
+                                             "CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/bin"})
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["PATH"] == "/bin"
     assert not {"SLURM_PROCID", "PMI_RANK", "PMIX_RANK", "SUBMITIT_FOLDER", "RAY_ADDRESS"} & set(env)
-    assert env["RAY_AUTH_MODE"] == "disabled"
+    assert (env["RAY_AUTH_MODE"], env["RAY_AUTH_TOKEN_PATH"]) == ("token", str(token))
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+    assert token.read_text() not in "".join(env.values())  # only the path travels
+
+
+def test_a_missing_or_shared_token_stops_the_job_before_ray_starts(tmp_path):
+    with pytest.raises(RayBootstrapError, match="ray_auth_token is missing"):
+        token_env(tmp_path)
+    write_token(tmp_path).chmod(0o644)
+    with pytest.raises(RayBootstrapError, match=r"mode 644: others could join.*chmod 600"):
+        token_env(tmp_path)
 
 
 def test_ports_and_temp_dirs_follow_the_job_id():
