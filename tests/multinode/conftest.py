@@ -1,5 +1,6 @@
 """A two-node SLURM cluster on this machine (.ci/multinode_up.sh: network namespaces, a fabric and a site network),
-up for this directory's tests and taken down after them.
+up for this directory's tests and taken down after them (the one-node SLURM of tests/slurm numbers its jobs
+from 1 too, and Ray's temp dirs are named by job id).
 
 It needs root (namespaces, slurmd); without it the tests skip, saying so, and with SLIME_HYDRA_REQUIRE_SLURM=1
 (set by .ci/run) they fail instead, so CI never passes by skipping them. Every SLURM client and every launch runs on
@@ -65,7 +66,7 @@ class TwoNodes:
         return wait_until(ended, timeout_s, f"the job of {run_dir} to end", poll_s=2)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # down once this directory is done: other SLURM tests reuse job ids
 def two_nodes():
     reason = None
     if os.geteuid() != 0:
