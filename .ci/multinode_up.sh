@@ -12,6 +12,8 @@
 #   mnode2  10.77.0.2   10.78.0.2    slurmd
 #   mout    -           10.78.0.9    no daemon: an outsider that reaches the nodes' site addresses only
 #
+# Daemons and commands enter a node with nsenter --net plus unshare --uts, not `ip netns exec`: that one also
+# remounts /sys for the namespace, which hides /sys/fs/cgroup from slurmd ("Unable to initialize cgroup plugin").
 # The filesystem is shared by all of them, as a cluster's shared storage is. munge is this machine's one daemon
 # (its socket is a file, so every namespace reaches it). `STATE_DIR/bin/on_node NODE CMD...` runs a command on a
 # node (its network and host name); `source STATE_DIR/env.sh` points SLURM clients at this cluster, but they only
