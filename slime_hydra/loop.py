@@ -130,8 +130,8 @@ def run(cfg: SlimeConfig, run_dir: Path) -> str:
 
 
 def init_ray(cfg: SlimeConfig, run_dir: Path) -> Optional[LocalRay]:
-    """Join the Ray cluster in RAY_ADDRESS (a SLURM job), or start this machine's node (cluster/local_ray.py: one logical
-    CPU per role process on a CPU-only machine, at least its cores); returns that node (to stop at the end) or None."""
+    """Join the Ray cluster in RAY_ADDRESS (a SLURM job), or start this machine's node (cluster/local_ray.py: one
+    logical CPU per role process on a CPU-only machine, at least its cores); returns it (to stop at the end) or None."""
     d = derive(cfg)
     cpus = cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, d.total_gpus if cfg.cluster.gpus_per_node == 0 else 1)
     return connect(cpus, run_dir / "logs" / "ray_start.log")

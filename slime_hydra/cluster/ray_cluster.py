@@ -194,8 +194,8 @@ class RayCluster:
             self._wait_for_head()
             args += [f"--address={self.address}"]
         print(f"rank {self.rank}: {' '.join(args[3:])}", flush=True)
-        self.proc = subprocess.Popen(args, env=ray_process_env(self.folder), start_new_session=True, stdin=subprocess.DEVNULL,
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(args, env=ray_process_env(self.folder), start_new_session=True,
+                                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
 
     def _wait_for_head(self) -> None:
         deadline = time.monotonic() + self.cluster.ray_wait_nodes_s

@@ -33,7 +33,8 @@ def derived_table(cfg: SlimeConfig, d: Derived) -> Table:
         ("engines", d.num_engines, f"rollout {unit} / rollout.gpus_per_engine({r.gpus_per_engine})"),
         (f"total {unit}", d.total_gpus, "max(train, rollout)" if cfg.cluster.colocate else "train + rollout"),
         ("nodes", d.nodes, f"ceil(total / cluster.gpus_per_node={cfg.cluster.gpus_per_node})"
-         if cfg.cluster.gpus_per_node else f"cluster.nodes={cfg.cluster.nodes}" if cfg.cluster.nodes else "this machine"),
+         if cfg.cluster.gpus_per_node else
+         f"cluster.nodes={cfg.cluster.nodes}" if cfg.cluster.nodes else "this machine"),
         ("context (tokens)", d.context_tokens, "data.max_prompt_tokens + rollout.max_response_tokens"),
         ("weight sync", d.weight_sync, f"train.weight_sync={t.weight_sync}"
          + (" (colocated: tensor for embedded engines, disk for SGLang; else distributed)"

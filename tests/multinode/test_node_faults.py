@@ -117,7 +117,8 @@ def test_an_engine_killed_on_node_two_restarts_there_and_no_sample_is_lost(two_n
                      job_log(run_dir))
     prompts = []
     for step in range(5):
-        samples = [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        saved = (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text()
+        samples = [json.loads(line) for line in saved.splitlines()]
         assert len(samples) == 16 and len({s["index"] for s in samples}) == 16
         assert all(s["weight_version"] == step for s in samples)
         prompts += {s["group_index"]: s["prompt"] for s in samples}.values()
