@@ -57,7 +57,7 @@ from slime_hydra.checkpoint import RUN_RECORD, Checkpoints, export_dir
 from slime_hydra.durable import write_json
 from slime_hydra.cluster.local_ray import LocalRay, connect, death_report
 from slime_hydra.cluster.ray_cluster import placement_bundles
-from slime_hydra.config.derive import Derived, derive
+from slime_hydra.config.derive import Derived, bundle_nodes, derive
 from slime_hydra.config.memory import plan_memory
 from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.cores import usable_cores
@@ -193,7 +193,7 @@ class Session:
         """One bundle per GPU, or per role process on a CPU-only machine; wait until Ray reserved them all."""
         self.on_gpu = self.cfg.cluster.gpus_per_node > 0
         self.colocated_moves = bool(plan_memory(self.cfg, self.d).colocated_moves)
-        self.pg = placement_group(placement_bundles(self.on_gpu, self.d.bundle_nodes), strategy="PACK")
+        self.pg = placement_group(placement_bundles(self.on_gpu, bundle_nodes(self.cfg, self.d)), strategy="PACK")
         ray.get(self.pg.ready(), timeout=self.cfg.cluster.ray_wait_nodes_s)
 
     @property

@@ -23,7 +23,7 @@ class ClusterConfig:
     """GPUs per node; 0 means a CPU-only machine (each role 'GPU' is then a CPU process)."""
     nodes: Optional[int] = positive(None)
     """CPU-only sites (gpus_per_node=0): how many nodes the role processes spread over, dealt round-robin
-    (config/derive.py layout); null means 1. GPU sites derive it (ceil(total GPUs / gpus_per_node)): leave it null
+    (config/derive.py bundle_nodes); null means 1. GPU sites derive it (ceil(total GPUs / gpus_per_node)): leave it null
     there."""
     cpus_per_node: Optional[int] = positive(None)
     """CPUs given to Ray per node; null means what the machine (or the SLURM allocation) has."""

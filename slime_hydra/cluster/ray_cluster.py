@@ -63,7 +63,7 @@ read by every task; requeued jobs keep the folder and so the token. Only its pat
 
 NODE_IPS_ENV = "SLIME_HYDRA_NODE_IPS"
 """Set for the job body on the head: the allocation's node addresses, comma-separated, head first (SLURM's node
-order). The run pins placement bundle b to node ``derived.bundle_nodes[b]`` of this list (loop.py)."""
+order). The run pins placement bundle b to node ``bundle_nodes(cfg, derived)[b]`` of this list (loop.py)."""
 
 STOP_GRACE_S = 2.0
 """Seconds a ray start process group gets between SIGTERM and SIGKILL (the driver is done by then: nothing to
@@ -108,7 +108,7 @@ def ray_process_env(folder: Path, environ: Optional[dict] = None) -> dict:
 
 
 def placement_bundles(on_gpu: bool, bundle_nodes: Sequence[int]) -> list[dict]:
-    """One placement bundle per entry of ``bundle_nodes`` (derived.bundle_nodes): {GPU: 1, CPU: 1} per GPU, {CPU: 1}
+    """One placement bundle per entry of ``bundle_nodes`` (config/derive.py): {GPU: 1, CPU: 1} per GPU, {CPU: 1}
     per role process on a CPU-only cluster; on a job of several nodes (NODE_IPS_ENV set) also a sliver of Ray's
     per-node resource ``node:<ip>``, which pins bundle b to node ``bundle_nodes[b]``: the layout the dry run shows
     is the one that runs."""

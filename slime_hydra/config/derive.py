@@ -6,7 +6,6 @@
     rollout_gpus = rollout.num_gpus, or train.num_gpus when colocated
     total_gpus  = max(train, rollout) when colocated, else train + rollout
     nodes       = ceil(total_gpus / cluster.gpus_per_node)   (CPU-only: cluster.nodes, else 1)
-    bundle_nodes = the node of each placement bundle (``layout``)
     engine_dtype = bfloat16 when training bf16 on GPUs, else float32 (engines compute in the dtype weights are
                    synced in)
     weight_sync = train.weight_sync, with auto resolved from the placement and the engine kind
@@ -54,31 +53,33 @@ class Derived:
     """The engines' compute dtype and the dtype weights are synced in: bfloat16 | float32 (torch names)."""
     weight_sync: str
     """How weights reach the engines: one of train/config.WEIGHT_SYNC_METHODS (``auto`` resolved)."""
-    bundle_nodes: tuple[int, ...] = ()
-    """The node (0-based; 0 is the Ray head's) of each placement bundle, in bundle order (``layout``)."""
     lora_sync: str | None = None
     """What a LoRA policy sends: merged | adapter (train/config.LORA_SYNC); None without LoRA."""
 
 
-def layout(total: int, nodes: int, gpus_per_node: int) -> tuple[int, ...]:
-    """The node of each placement bundle; bundles are the trainer's ranks first, then (disaggregated) the engines'.
+def bundle_nodes(cfg: SlimeConfig, d: Derived) -> list[int]:
+    """The node (0-based; 0 is the Ray head's) of each placement bundle; bundles are the trainer's ranks first, then
+    (disaggregated) the engines'. One entry per bundle, so built only where a run places its bundles or a plan lists
+    them, never while validating (which meets counts of any size).
 
     GPU sites fill nodes in order, gpus_per_node bundles each: bundle b on node b // gpus_per_node. CPU-only sites
     (nodes = cluster.nodes) deal the bundles round-robin, b on node b % nodes, so the processes spread evenly: 2 ranks
     and 2 engines on 2 nodes put rank i and engine i on node i."""
-    return tuple(b // gpus_per_node if gpus_per_node else b % nodes for b in range(total))
+    per_node = cfg.cluster.gpus_per_node
+    return [b // per_node if per_node else b % d.nodes for b in range(d.total_gpus)]
 
 
 def node_roles(cfg: SlimeConfig, d: Derived) -> list[list[str]]:
-    """What runs on each node, from ``d.bundle_nodes``: ``[["train rank 0", "engine 0"], ["train rank 1", ...]]``
-    (the driver, the rollout manager and the router run on node 0, the Ray head, besides)."""
+    """What runs on each node (``bundle_nodes``): ``[["train rank 0", "engine 0"], ["train rank 1", ...]]`` (the
+    driver, the rollout manager and the router run on node 0, the Ray head, besides)."""
+    where = bundle_nodes(cfg, d)
     roles: list[list[str]] = [[] for _ in range(d.nodes)]
     for rank in range(d.train_gpus):
-        roles[d.bundle_nodes[rank]].append(f"train rank {rank}")
+        roles[where[rank]].append(f"train rank {rank}")
     if cfg.debug.mode != "train_only":
         first = 0 if cfg.cluster.colocate else d.train_gpus
         for engine in range(d.num_engines):
-            roles[d.bundle_nodes[first + engine * cfg.rollout.gpus_per_engine]].append(f"engine {engine}")
+            roles[where[first + engine * cfg.rollout.gpus_per_engine]].append(f"engine {engine}")
     return roles
 
 
@@ -150,7 +151,6 @@ def derive(cfg: SlimeConfig) -> Derived:
         total_gpus=total,
         gpus_per_node=per_node,
         nodes=nodes,
-        bundle_nodes=layout(total, nodes, cfg.cluster.gpus_per_node),
         context_tokens=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens,
         engine_dtype="bfloat16" if cfg.cluster.gpus_per_node > 0 and cfg.train.dtype == "bf16" else "float32",
         weight_sync=resolve_weight_sync(cfg.train.weight_sync, cfg.cluster.colocate, cfg.rollout.backend, lora_sync),

@@ -12,6 +12,10 @@ from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
 from slime_hydra.config.schema import SlimeConfig
 
 
+MAX_LISTED = 1024
+"""The dry run lists what runs on each node up to this many placement bundles."""
+
+
 def derived_table(cfg: SlimeConfig, d: Derived) -> Table:
     unit = "GPUs" if cfg.cluster.gpus_per_node else "CPU processes"
     t, r = cfg.train, cfg.rollout
@@ -65,7 +69,9 @@ def placement_lines(cfg: SlimeConfig, d: Derived) -> list[str]:
                      f"{cfg.rollout.gpus_per_engine}, behind sglang-router ({cfg.rollout.router_policy})")
         lines.append("  rollout manager actor: data source, buffer, reward "
                      f"'{cfg.reward.name}', router; {cfg.num_steps} rollout steps")
-    if d.nodes > 1:
+    if d.nodes > 1 and d.total_gpus > MAX_LISTED:
+        lines.append(f"  {d.total_gpus} bundles over {d.nodes} nodes: too many to list one by one")
+    elif d.nodes > 1:
         for k, roles in enumerate(node_roles(cfg, d)):
             head = " (Ray head: driver, rollout manager, router)" if k == 0 else ""
             lines.append(f"  node {k + 1}{head}: {', '.join(roles) or 'nothing'}")

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from slime_hydra.config import PROJECT_ROOT
-from slime_hydra.config.derive import layout, node_roles
+from slime_hydra.config.derive import bundle_nodes, node_roles
 from slime_hydra.model.tiny import build_tiny_tokenizer
 from tests.config.helpers import load
 
@@ -149,13 +149,12 @@ def test_hydra_and_omegaconf_errors_exit_2_in_our_format(args, key):
 
 def test_the_layout_spreads_cpu_processes_round_robin_and_fills_gpu_nodes_in_order():
     cfg, d = load("cluster=ci_two_node", "train.num_gpus=2", "rollout.num_gpus=2")
-    assert (d.nodes, d.bundle_nodes) == (2, (0, 1, 0, 1))
+    assert (d.nodes, bundle_nodes(cfg, d)) == (2, [0, 1, 0, 1])
     assert node_roles(cfg, d) == [["train rank 0", "engine 0"], ["train rank 1", "engine 1"]]
     cfg, d = load("cluster=ci_two_node")  # one rank and one engine: one on each node
     assert node_roles(cfg, d) == [["train rank 0"], ["engine 0"]]
     cfg, d = load("model=qwen3_8b", "model.path=/ckpt", "cluster=slurm_8xh100", "train=megatron", "train.num_gpus=16",
                   "train.tp=4", "rollout=sglang", "rollout.num_gpus=8", "rollout.gpus_per_engine=2")
-    assert d.bundle_nodes == (0,) * 8 + (1,) * 8 + (2,) * 8
+    assert bundle_nodes(cfg, d) == [0] * 8 + [1] * 8 + [2] * 8
     roles = node_roles(cfg, d)
     assert roles[1] == [f"train rank {r}" for r in range(8, 16)] and roles[2] == [f"engine {e}" for e in range(4)]
-    assert layout(3, 1, 0) == (0, 0, 0)
