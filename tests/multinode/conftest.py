@@ -11,30 +11,19 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from slime_hydra.config import PROJECT_ROOT
+from tests.slurm.test_slurm import wait_until
 
 STATE = Path(os.environ.get("SLIME_HYDRA_MULTINODE_STATE", "/tmp/slime_hydra_multinode"))
 FABRIC = {"mnode1": "10.77.0.1", "mnode2": "10.77.0.2"}
 """The nodes' cluster addresses (.ci/multinode_net.sh)."""
 SITE = {"mnode1": "10.78.0.1", "mnode2": "10.78.0.2", "mout": "10.78.0.9"}
 """The site network's addresses: the outsider ``mout`` reaches the nodes only here."""
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 1.0):
-    """predicate's first truthy value; AssertionError naming ``what`` after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @dataclass
