@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.loop.test_engine_crash import cmdline
 from tests.multinode.conftest import FABRIC, wait_until
 from tests.multinode.test_two_nodes import SMALL, job_log, trained_steps
 
@@ -35,13 +36,6 @@ def engine_servers(node: str) -> list[int]:
     """pids of the embedded engine servers running on node (one run at a time on the cluster)."""
     pids = subprocess.run(["ip", "netns", "pids", f"mn_{node}"], capture_output=True, text=True).stdout.split()
     return sorted(int(p) for p in pids if "slime_hydra.rollout.engines.embedded" in cmdline(int(p)))
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def test_a_node_that_never_joins_is_named_when_the_wait_ends(two_nodes, tmp_path):
