@@ -351,7 +351,11 @@ def check_memory(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
 
 
 def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of n, ascending. sympy factorizes n (Pollard rho), so a hostile value (rollout.batch_prompts=
+    99999999999999999999) costs milliseconds, where trying every k <= n never ends."""
+    from sympy import divisors as sympy_divisors
+
+    return sympy_divisors(n)
 
 
 def _divisor_near(n: int, target: int) -> int:

@@ -18,6 +18,11 @@ INVALID = [
      "= 512"),
     (("train.optimizer_steps_per_rollout=3",), "train.optimizer_steps_per_rollout", "3 equal optimizer steps"),
     (("train.global_batch_samples=512",), "train.global_batch_samples", "not a multiple"),
+    # hostile sizes: the fix's divisor is found by factorizing, where trying every k <= 8e20 would never end
+    (("rollout.batch_prompts=99999999999999999999", "train.global_batch_samples=7"), "train.global_batch_samples",
+     "try train.global_batch_samples=6"),
+    (("rollout.batch_prompts=99999999999999999999", "train.optimizer_steps_per_rollout=7"),
+     "train.optimizer_steps_per_rollout", "try train.optimizer_steps_per_rollout=6"),
     (("train.micro_batch_samples=3",), "train.micro_batch_samples", "divisible by micro_batch_samples(3)"),
     (("train.num_gpus=3", "train.micro_batch_samples=1", "train.global_batch_samples=128"),
      "train.global_batch_samples", "dp(3)"),
