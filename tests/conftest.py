@@ -24,6 +24,19 @@ machine). The server has started no threads and touched no device, which is what
 multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
+ONE_AT_A_TIME = {"slurm", "multinode"}
+"""Test directories whose tests pytest-xdist (README's ``-n 2 --dist loadgroup``) gives to one worker, one after
+another: tests/slurm's one-node cluster and tests/multinode's two nodes number their jobs from 1, and a job's Ray
+temp dirs are named by its id."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = item.path.relative_to(config.rootpath).parts
+        if len(parts) > 2 and parts[0] == "tests" and parts[1] in ONE_AT_A_TIME:
+            item.add_marker(pytest.mark.xdist_group("slurm_clusters"))
+
+
 SHARED_NODE_CPUS = 8
 """Logical CPUs of the shared node: the largest run of the tests places 4 role processes; the rest is slack for the
 actors of a killed driver while Ray ends them."""
@@ -31,8 +44,11 @@ actors of a killed driver while Ray ends them."""
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> str:
-    """SLIME_HYDRA_CACHE of the test session: the tiny model and its warm starts, built once."""
-    return str(tmp_path_factory.getbasetemp() / "model_cache")
+    """SLIME_HYDRA_CACHE of the test session: the tiny model and its warm starts, built once. pytest-xdist's workers
+    share it (their base temp dirs sit in the session's); a build is renamed into place whole, so two workers that
+    build the same model at once both end with the same complete checkpoint (model/warm_start.py)."""
+    base = tmp_path_factory.getbasetemp()
+    return str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "model_cache")
 
 
 @pytest.fixture(scope="session")
