@@ -25,16 +25,19 @@ multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
 ONE_AT_A_TIME = {"slurm", "multinode"}
-"""Test directories whose tests pytest-xdist (README's ``-n 2 --dist loadgroup``) gives to one worker, one after
-another: tests/slurm's one-node cluster and tests/multinode's two nodes number their jobs from 1, and a job's Ray
-temp dirs are named by its id."""
+"""Test directories that pytest-xdist (README's ``-n 2``, with ``--dist=loadgroup``) gives to one worker, one test
+after another: tests/slurm's one-node cluster and tests/multinode's two nodes number their jobs from 1, and a job's
+Ray temp dirs are named by its id."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
+    """Each test module goes to one xdist worker whole (its module-scoped fixtures, engines and models and reference
+    runs, are built once, not once per worker), and ONE_AT_A_TIME's directories together to one."""
     for item in items:
         parts = item.path.relative_to(config.rootpath).parts
-        if len(parts) > 2 and parts[0] == "tests" and parts[1] in ONE_AT_A_TIME:
-            item.add_marker(pytest.mark.xdist_group("slurm_clusters"))
+        one_at_a_time = len(parts) > 2 and parts[0] == "tests" and parts[1] in ONE_AT_A_TIME
+        item.add_marker(pytest.mark.xdist_group("slurm" if one_at_a_time else "/".join(parts)))
 
 
 SHARED_NODE_CPUS = 8

@@ -23,7 +23,7 @@ CLUSTER = ("cluster=slurm", "cluster.gpus_per_node=0", "cluster.partition=debug"
            "cluster.time_min=5", "cluster.ray_wait_nodes_s=60")
 """A 1-CPU Ray node per task on the CI node (CPUs=2: two tasks, or two jobs, at a time)."""
 
-pytestmark = [pytest.mark.usefixtures("slurm"), pytest.mark.xdist_group("slurm")]  # one SLURM of 2 CPUs: one worker
+pytestmark = pytest.mark.usefixtures("slurm")  # one worker, one test at a time (tests/conftest.py ONE_AT_A_TIME)
 
 
 def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
