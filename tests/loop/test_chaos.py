@@ -1,7 +1,8 @@
 """Chaos: one 16-step run during which every kind of process of the run is killed with SIGKILL once, in a random
 order, each at a random moment of a random step; the command is run again whenever the run stopped. In the end
 every step is in metrics.jsonl exactly once and every step trained on the prompts an uninterrupted run trains on
-(the data cursor continued exactly), 16 samples each.
+(the data cursor continued exactly: the data source's order from the top, which test_checkpoint_in_background.py
+shows an uninterrupted run trains on), 16 samples each.
 
 Killed: the driver (alone, not its group), a trainer rank, the rollout manager, the engine actor, the router
 (these five stop the run; all but the driver name the dead process in its last words) and the engine server
@@ -9,7 +10,6 @@ process (the run goes on: the engine restarts, docs/rollout.md "When an engine d
 from ``random.Random(CHAOS_SEED)``; set SLIME_HYDRA_CHAOS_SEED to try others (each must pass).
 """
 
-import json
 import os
 import random
 import signal
@@ -23,7 +23,7 @@ import pytest
 
 from slime_hydra.config import PROJECT_ROOT
 from tests.loop.test_engine_crash import cmdline, run_processes
-from tests.loop.test_loop import SMALL, train_rows
+from tests.loop.test_loop import SMALL, prompts_per_step, source_prompts, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -45,30 +45,12 @@ def _command(output_dir: Path) -> list[str]:
             "rollout.health_check_interval_s=0.5", *SMALL]
 
 
-def _prompts_per_step(run: Path) -> list[list[str]]:
-    steps = []
-    for step in range(STEPS):
-        lines = (run / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
-        samples = [json.loads(line) for line in lines]
-        assert len(samples) == 16
-        steps.append([p for _, p in sorted({s["group_index"]: s["prompt"] for s in samples}.items())])
-    return steps
-
-
 def _find(pids: list[int], prefix: str) -> list[int]:
     return [pid for pid in pids if (command := cmdline(pid)).startswith(prefix)
             or (prefix.startswith("-m ") and prefix in command)]
 
 
 def test_every_process_killed_at_a_random_moment_loses_and_repeats_nothing(tmp_path, joined_ray):
-    reference = tmp_path / "reference"
-    out = subprocess.run(_command(reference), capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    expected = _prompts_per_step(reference / "r")
-    # a kill lands at a random moment of a step as long as the reference's median step: the step before the kill
-    # may be much longer (an engine restart), and the run's remaining steps can all fit into a fraction of that
-    step_time = statistics.median(r["perf/step_time"] for r in train_rows(reference / "r"))
-
     rng = random.Random(CHAOS_SEED)
     order = rng.sample(sorted(VICTIMS), len(VICTIMS))
     chaos, proc, log = tmp_path / "chaos", None, []
@@ -87,6 +69,9 @@ def test_every_process_killed_at_a_random_moment_loses_and_repeats_nothing(tmp_p
                 assert proc.poll() is None, f"the run ended before {victim} was killed: {proc.stdout.read()[-3000:]}"
                 assert time.monotonic() < deadline, f"no step within 300 s before killing {victim}"
                 time.sleep(0.05)
+            # a kill lands at a random moment of a step as long as the median step so far: the step before the kill
+            # may be much longer (an engine restart), and the run's remaining steps can all fit into a fraction of that
+            step_time = statistics.median(r["perf/step_time"] for r in train_rows(chaos / "r"))
             time.sleep(rng.uniform(0.0, 1.0) * step_time)
             prefix, last_words = VICTIMS[victim]
             pids = [proc.pid] if prefix is None else _find(run_processes(proc.pid, joined_ray, launched), prefix)
@@ -111,4 +96,4 @@ def test_every_process_killed_at_a_random_moment_loses_and_repeats_nothing(tmp_p
     rows = train_rows(chaos / "r")
     assert [r["step"] for r in rows] == list(range(STEPS)), log
     assert sum(r["rollout/engine_restarts"] for r in rows) <= 1, log  # the engine's kill (0 if its step was redone)
-    assert _prompts_per_step(chaos / "r") == expected, log
+    assert prompts_per_step(chaos / "r", STEPS) == source_prompts(STEPS, *SMALL), log

@@ -15,7 +15,7 @@ import pytest
 
 from slime_hydra.config import PROJECT_ROOT
 from slime_hydra.train.checkpoint_writer import HOLD_ENV
-from tests.loop.test_loop import SMALL, train_rows
+from tests.loop.test_loop import SMALL, prompts_per_step, source_prompts, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -25,15 +25,6 @@ STEPS = 6
 def _command(output_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={output_dir}", "run_name=r",
             f"num_steps={STEPS}", "debug.save_rollouts=true", *SMALL, *overrides]
-
-
-def _prompts_per_step(run: Path) -> list[list[str]]:
-    steps = []
-    for step in range(STEPS):
-        samples = [json.loads(line) for line in (run / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
-        assert len(samples) == 16
-        steps.append([p for _, p in sorted({s["group_index"]: s["prompt"] for s in samples}.items())])
-    return steps
 
 
 def _latest(run: Path) -> str:
@@ -52,6 +43,7 @@ def reference(tmp_path_factory):
 def test_saves_after_every_step_in_the_background_and_a_killed_run_resumes_exactly(reference, tmp_path):
     rows = train_rows(reference)
     assert [r["step"] for r in rows] == list(range(STEPS))
+    assert prompts_per_step(reference, STEPS) == source_prompts(STEPS, *SMALL)  # the data source's order, from the top
     # the write started after step k is seen finished at the next step's boundary (the last one waits for it)
     assert "perf/checkpoint_write_time" not in rows[0]
     assert all(r["perf/checkpoint_write_time"] > 0 and r["perf/checkpoint_time"] > 0 for r in rows[1:])
@@ -74,7 +66,7 @@ def test_saves_after_every_step_in_the_background_and_a_killed_run_resumes_exact
     assert out.returncode == 0, out.stderr[-4000:]
     assert "resumed from" in out.stdout
     assert [r["step"] for r in train_rows(run)] == list(range(STEPS))
-    assert _prompts_per_step(run) == _prompts_per_step(reference)
+    assert prompts_per_step(run, STEPS) == prompts_per_step(reference, STEPS)
 
 
 @pytest.mark.own_ray_node  # HOLD_ENV reaches the trainer rank through the environment of the run's own node
@@ -107,7 +99,7 @@ def test_a_run_killed_while_a_write_is_held_resumes_from_the_previous_complete_c
     assert out.returncode == 0, out.stderr[-4000:]
     assert "step_000002 at step 2" in out.stdout  # "resumed from <run>/checkpoints/step_000002 at step 2"
     assert [r["step"] for r in train_rows(run)] == list(range(STEPS))
-    assert _prompts_per_step(run) == _prompts_per_step(reference)
+    assert prompts_per_step(run, STEPS) == prompts_per_step(reference, STEPS)
     assert _latest(run) == "step_000006" and (held / "actor" / "trainer.json").exists()
 
 
@@ -125,6 +117,6 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(re
             f"{size // 2} bytes, manifest says {size})") in out.stdout
     assert "step_000005 at step 5" in out.stdout  # "resumed from <run>/checkpoints/step_000005 at step 5"
     assert [r["step"] for r in train_rows(run)] == list(range(STEPS))
-    assert _prompts_per_step(run) == _prompts_per_step(reference)
+    assert prompts_per_step(run, STEPS) == prompts_per_step(reference, STEPS)
     assert _latest(run) == "step_000006" and shard.stat().st_size == size  # written again, whole
     assert [p.name.split("-")[0] for p in (run / "checkpoints" / "partial").iterdir()] == ["step_000006"]

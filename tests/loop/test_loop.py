@@ -40,6 +40,34 @@ def train_rows(run: Path) -> list[dict]:
     return [m for m in metrics(run) if "rollout/raw_reward" in m]
 
 
+def prompts_per_step(run: Path, steps: int, samples: int = 16) -> list[list[str]]:
+    """The prompts each step of a run with ``debug.save_rollouts=true`` trained on, in group order (``samples`` a
+    step: the run's prompts x samples per prompt)."""
+    out = []
+    for step in range(steps):
+        rows = [json.loads(line) for line in (run / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert len(rows) == samples
+        out.append([p for _, p in sorted({s["group_index"]: s["prompt"] for s in rows}.items())])
+    return out
+
+
+def source_prompts(steps: int, *overrides: str) -> list[list[str]]:
+    """The prompts an uninterrupted run of ``overrides`` trains on at each of its first ``steps`` steps, without
+    running it: its config's training prompts handed out by a fresh PromptSource, as the rollout manager builds it
+    (rollout/manager.py); a run's rollouts match them (the background-checkpoint test's reference run)."""
+    from slime_hydra.data.dataset import load_prompts
+    from slime_hydra.data.source import PromptSource
+    from slime_hydra.model.hf import load_tokenizer
+    from slime_hydra.model.warm_start import resolve_model_path
+    from tests.config.helpers import load
+
+    cfg, _ = load(*overrides)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model, cfg.data, cfg.seed))
+    source = PromptSource(load_prompts(cfg.data, tokenizer).records, cfg.rollout.batch_prompts,
+                          shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    return [[record.prompt for record in source.next_batch()] for _ in range(steps)]
+
+
 def rollout_logprob_gap(model_dir: Path, rollout: Path) -> tuple[float, int]:
     """(mean |logprob| gap, tokens compared) between an HF checkpoint loaded by plain transformers and the engine's
     logprobs of every response token of a saved rollout (temperature 1, the tests' default)."""
