@@ -230,9 +230,17 @@ class EnginePool:
             print(f"rollout: engine {i} ({url}) is back", flush=True)
         except Exception as error:
             self.down[i] = f"{cause}; the restart failed: {type(error).__name__}: {error}"
+            if isinstance(error, EngineError):  # the restarted server stopped answering: say what became of it
+                self.down[i] += f" (the restarted server: {await self._describe(i)})"
             print(f"rollout: engine {i} ({url}) {self.down[i]}", flush=True)
             if isinstance(error, ray.exceptions.RayActorError):  # the actor is gone, as in _watch: the run stops
                 self.failed = error
+
+    async def _describe(self, i: int) -> str:
+        try:
+            return await self.engines[i].describe.remote()
+        except ray.exceptions.RayActorError as error:
+            return f"its actor is gone ({type(error).__name__})"
 
     async def _register(self, i: int) -> None:
         """Add engine i back to the router and wait until the router lists it healthy."""

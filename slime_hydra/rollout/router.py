@@ -143,16 +143,18 @@ class Router:
         _, body = self._call("GET", "/readiness")
         return body if isinstance(body, dict) else {"status": str(body)}
 
-    def wait_ready(self, min_healthy: int = 1, timeout_s: float = 60.0) -> dict:
-        """Wait until at least ``min_healthy`` workers are healthy; return the last readiness answer."""
-        last: dict = {}
+    def wait_ready(self, min_healthy: int = 1, timeout_s: float = 60.0) -> list[dict]:
+        """Wait until at least ``min_healthy`` workers are healthy; return the last worker list. Polls
+        ``GET /workers`` (200 always), not ``/readiness``: the router logs each 503 "not ready" answer as an ERROR,
+        which made every healthy run's router.log look broken."""
+        last: list[dict] = []
 
         def ready() -> bool:
             nonlocal last
-            last = self.readiness()
-            return int(last.get("healthy_workers", 0)) >= min_healthy
+            last = self.workers()
+            return sum(bool(w.get("is_healthy")) for w in last) >= min_healthy
 
-        self._wait(ready, timeout_s, lambda: f"{min_healthy} healthy workers (last readiness: {last})")
+        self._wait(ready, timeout_s, lambda: f"{min_healthy} healthy workers (last worker list: {last})")
         return last
 
     def wait_worker_healthy(self, url: str, timeout_s: float = 60.0) -> None:

@@ -147,6 +147,7 @@ def test_generate_retries_after_a_restart_then_fails_naming_the_engine(tmp_path)
         os.kill(pid, signal.SIGKILL)
         while ray.get(engines[0].alive.remote()):  # SIGKILL lands within milliseconds
             time.sleep(0.01)
+        assert ray.get(engines[0].describe.remote()).startswith(f"pid {pid} exited with code -9; its log ends: ")
         port = int(urls[0].rsplit(":", 1)[1])
         with socket.socket() as squatter:
             assert ray.get(manager.check_engines.remote()) == [0]  # out of the router; the restart is loading
@@ -362,9 +363,9 @@ def test_an_engine_killed_during_a_sync_costs_the_sync_nothing(tmp_path, method)
         assert ray.get(engines[1].pid.remote()) != old_pid  # restarted
         status = ray.get(manager.engine_status.remote())[1]
         if method == "distributed" and not status["up"]:  # back after the second attempt began: a broadcast
-            assert not status["in_router"] and "waits for the next weight sync" in status["cause"], status
+            assert not status["in_router"] and "waits for the next weight sync" in status["cause"], str(status)
         else:  # replayed from the manager's copy, reloaded from the export, or back in time for the second attempt
-            assert status["up"] and status["in_router"], status
+            assert status["up"] and status["in_router"], str(status)  # str: pytest would cut a dict's repr short
             assert ray.get(manager.engine_weight_versions.remote()) == ["1", "1"]
             assert asyncio.run(_engine_info(urls[1:], key))[0]["greedy"] == synced["greedy"]
 

@@ -45,8 +45,8 @@ async def test_generate_through_router_matches_engine(engine, router):
     worker_id = router.add_worker(engine.url)
     assert worker_id
     ready = router.wait_ready(min_healthy=1, timeout_s=60)
-    assert ready["healthy_workers"] == 1
-    assert [w["url"] for w in router.workers()] == [engine.url]
+    assert [w["url"] for w in ready if w["is_healthy"]] == [engine.url]
+    assert router.readiness()["healthy_workers"] == 1
 
     greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     sampled = {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 24, "ignore_eos": True, "sampling_seed": 11}
@@ -76,6 +76,19 @@ async def test_generate_through_router_matches_engine(engine, router):
     assert router.readiness()["status"] != "ready"
     with pytest.raises(RouterError, match="no worker"):
         router.remove_worker(engine.url)
+
+
+async def test_a_healthy_router_logs_no_error(engine, tmp_path):
+    """Registering an engine and serving through it leaves no ERROR line in router.log (a run's wait for the
+    engines once polled /readiness, whose 503 "not ready" answers the router logs as errors)."""
+    log = tmp_path / "router.log"
+    with Router(health_check_interval_s=1, log_path=log) as fresh:
+        fresh.add_worker(engine.url)
+        fresh.wait_ready(min_healthy=1, timeout_s=60)
+        async with SGLangClient(fresh.url) as routed:
+            answer = await routed.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
+            assert len(tokens(answer)) == 4
+    assert "ERROR" not in log.read_text(), log.read_text()
 
 
 def test_stop_leaves_no_process(engine, tmp_path):

@@ -130,6 +130,17 @@ class EngineActor:
     def pid(self) -> Optional[int]:
         return self.process.pid if self.process is not None else None
 
+    def describe(self) -> str:
+        """The server process in a few words, for an error: ``pid P running``, or ``pid P exited with code C``
+        and the last line of its log."""
+        if self.process is None or self.process.popen is None:
+            return "no process started"
+        if self.process.alive:
+            return f"pid {self.process.pid} running"
+        lines = [line for line in self.process.log_tail(2000).splitlines() if line.strip()]
+        return (f"pid {self.process.pid} exited with code {self.process.popen.returncode}"
+                + (f"; its log ends: {lines[-1].strip()}" if lines else ""))
+
     def log_path(self) -> Optional[str]:
         return str(self.process.log_path) if self.process is not None else None
 
