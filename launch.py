@@ -14,6 +14,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("SLIME_HYDRA_ROOT", ROOT)  # conf/config.yaml adds it to the search path: recipes/, sweeps/
+# transformers' "Loading weights" / "Writing model shards" bars (read at its import; the Ray workers, their engines
+# and a SLURM job inherit it: cluster/local_ray.connect): a run's console and logs show its own progress only
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

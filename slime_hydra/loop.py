@@ -23,10 +23,9 @@ in place (generation continues on the new weights; TIS, ``algo.tis_cap``, correc
 Colocated on GPUs (``cluster.colocate``), trainer and engines take turns with the GPU memory (turns.py),
 unless the memory plan fits both on one GPU together (``cluster.colocate_offload``, config/memory.py).
 
-Every phase runs inside ``timer.phase(<name>)`` (tracking/phases.py), which writes ``perf/<name>_time`` (s):
-rollout (the wait for a scored batch), offload (colocated memory moves), logprobs (old + ref forward, values),
-train, weight_sync, eval, checkpoint; plus ``perf/step_time`` and ``perf/overhead_time`` (the step time not in any
-phase).
+Steps count from 1: the k-th step's metrics are row k of metrics.jsonl, its weights version k, its checkpoint
+step_k; row 0 is the eval before training. Every phase runs inside ``timer.phase(<name>)`` (tracking/phases.py:
+``perf/<name>_time`` in s, ``perf/step_time``, ``perf/overhead_time``, ``perf/step_tokens_per_s``).
 
 Checkpoints (checkpoint.py): every ``save_every_steps`` steps or ``save_every_minutes``, at the end, and on SIGTERM,
 SIGUSR1 or SIGUSR2 (preempt.py; the step in progress finishes and is saved, ``run`` returns ``"preempted"``, a SLURM
@@ -185,8 +184,8 @@ class Session:
                               self.colocated_moves and None not in (self.trainer, self.manager))
         if self.resume_from is not None:
             self.load(self.resume_from)
-        # steps after the checkpoint (all of them without one) were logged by a run that died: logged again now
-        self.tracker = Tracker(cfg.tracking, run_dir, run_dir.name, asdict(cfg), resume_step=self.step - 1)
+        # rows after the checkpoint's step (all of them without one) were logged by a run that died: logged again
+        self.tracker = Tracker(cfg.tracking, run_dir, run_dir.name, asdict(cfg), resume_step=self.step or -1)
 
     # ---- set-up --------------------------------------------------------------------------------------------------
     def placement(self) -> None:
@@ -273,7 +272,7 @@ class Session:
     def waits_on(self) -> str:
         """The driver's step, phase and whom that phase waits on, for the stall doctor."""
         phase = self.timer.current
-        return f"step {self.step}, phase {phase or '-'}: waiting for {PHASE_WAITS_ON.get(phase, 'nobody')}"
+        return f"step {self.step + 1}, phase {phase or '-'}: waiting for {PHASE_WAITS_ON.get(phase, 'nobody')}"
 
     def _steps(self) -> str:
         cfg = self.cfg
@@ -283,12 +282,13 @@ class Session:
                 timer = self.timer = StepTimer()
                 with timer.phase("eval"):
                     metrics = self.evaluate()
-                self.tracker.log(0, {**metrics, "perf/eval_time": timer.times["eval"]})
+                metrics["perf/eval_time"] = timer.times["eval"]
+                self.tracker.log(0, metrics)                                 # row 0: the eval before training
+                progress.before_training(metrics)
             while self.step < cfg.num_steps:
-                step = self.step
-                metrics = self.rl_step(step)
-                self.tracker.log(step, metrics)                              # track
-                progress.update(step, metrics)
+                metrics = self.rl_step(self.step)                            # self.step: steps done, k after the k-th
+                self.tracker.log(self.step, metrics)                         # track: row k is the k-th step's
+                progress.update(self.step, metrics)
                 if self.doctor is not None:
                     self.doctor.beat()
                 if preempt.requested() and self.step < cfg.num_steps:
@@ -328,7 +328,7 @@ class Session:
         metrics.update(self.turns.metrics())
         if self.on_gpu and self.trainer is not None:  # for the memory plan's calibration (config/memory.py)
             metrics["perf/trainer_gpu_peak_gb"] = max(self.trainer.call("peak_memory")) / 2**30
-        metrics.update(timer.metrics())
+        metrics.update(timer.metrics(tokens=metrics.get("rollout/tokens")))
         return metrics
 
     def rollout_phase(self, step: int, timer: StepTimer) -> tuple[list[Sample], dict]:
@@ -356,7 +356,7 @@ class Session:
         if self.cfg.mode == "async" and step + 1 < self.cfg.num_steps:
             self.next_rollout = self.manager.generate_batch.remote()
         if self.cfg.debug.save_rollouts:
-            save_rollout(self.run_dir / "rollouts", step, result["samples"])
+            save_rollout(self.run_dir / "rollouts", step + 1, result["samples"])
         metrics = dict(result["metrics"], **{"rollout/weight_resends": float(resends)})
         samples = [Sample.from_dict(s) for s in result["samples"]]
         # the trainer's policy is version `step` (rollout steps trained); how far behind the oldest sample is
@@ -365,7 +365,7 @@ class Session:
 
     def resend_weights(self, step: int, timer: StepTimer) -> None:
         """Send the current policy (version ``step``) again: restarted engines are waiting for it."""
-        print(f"loop: step {step}: the engines restarted without the current weights; sending version {step} again",
+        print(f"loop: step {step + 1}: the engines restarted without the current weights; sending version {step} again",
               flush=True)
         self.turns.hand_to("both", timer)
         with timer.phase("weight_sync"):
@@ -383,8 +383,8 @@ class Session:
                    if needs_old_logprobs(algo, self.d.optimizer_steps_per_rollout) else None)
             ref = self.trainer.logprobs(batch, "ref", temperature)[0] if algo.needs_reference else None
             values = self.critic.values(batch) if self.critic is not None else None
-            add_advantages(batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values,
-                           max_response_tokens=cfg.rollout.max_response_tokens)
+            prepared = add_advantages(batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values,
+                                      max_response_tokens=cfg.rollout.max_response_tokens)
         with timer.phase("train"):
             actor_loss = ActorLoss(algo, cfg.rollout.max_response_tokens)
             sums: dict[str, float] = {}
@@ -399,12 +399,7 @@ class Session:
                 for name, value in step_metrics.items():  # means over the optimizer steps; *_max metrics: maxima
                     sums[name] = (max(sums.get(name, float(value)), float(value)) if name.endswith("_max") else
                                   sums.get(name, 0.0) + float(value) / self.d.optimizer_steps_per_rollout)
-        metrics = {f"train/{k}": v for k, v in sums.items()}
-        metrics["train/advantage_abs_mean"] = float(
-            (batch.extras["advantages"].abs() * batch.loss_mask).sum() / batch.loss_mask.sum())
-        if "overlong_penalty" in batch.extras:
-            metrics["train/overlong_penalty"] = float(batch.extras["overlong_penalty"].mean())
-        return metrics
+        return {**{f"train/{k}": v for k, v in sums.items()}, **prepared}
 
     def evaluate(self) -> dict:
         return ray.get(self.manager.evaluate.remote()) if self.manager is not None else {}
@@ -483,7 +478,7 @@ class Session:
                 self.next_rollout = ray.put(meta["next_rollout"])
             if self.trainer is not None and self.step > 0:
                 self.trainer.push_weights(self.step)  # the engines restart from the initial weights
-        print(f"resumed from {ckpt} at step {self.step}", flush=True)
+        print(f"resumed from {ckpt} after step {self.step}", flush=True)
 
     def close(self) -> None:
         if self.tracker is not None:

@@ -13,6 +13,7 @@ stderr, the daemons') into the run's ``logs/ray`` and removes the temp dir; the 
 killed (so never stopped their node) are removed by the next run's ``start``.
 """
 
+import logging
 import os
 import re
 import shutil
@@ -142,15 +143,19 @@ def connect(num_cpus: int, log_path: Path) -> Optional[LocalRay]:
 
     if ray.is_initialized():
         return None
+    # no "Connecting to existing Ray cluster" lines; the workers (and the engines they start) without transformers'
+    # progress bars when the driver has them off (launch.py)
+    bars = {k: os.environ[k] for k in ("HF_HUB_DISABLE_PROGRESS_BARS",) if k in os.environ}
+    quiet = {"log_to_driver": True, "logging_level": logging.WARNING}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": bars}, **quiet)
         return None
     set_local_ray_env()  # a no-op after launch.py's call; checks that ray was imported with it
     node = LocalRay(num_cpus, log_path)
     address = node.start()
     try:
-        ray.init(address=address, log_to_driver=True,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
+        ray.init(address=address, **quiet,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **bars}})
     except BaseException:
         node.stop()
         raise

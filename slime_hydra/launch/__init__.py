@@ -17,7 +17,7 @@ from slime_hydra.config import ConfigError, check_overrides, compose, to_config
 from slime_hydra.config.advice import advice
 from slime_hydra.config.hydra_errors import as_problems
 from slime_hydra.config.preflight import preflight
-from slime_hydra.launch.plan import print_plan
+from slime_hydra.launch.plan import plan_text, print_plan
 from slime_hydra.launch.resume import check_resume
 from slime_hydra.launch.run_dir import run_dir_for, write_provenance
 from slime_hydra.launch.sweep import point_run_dir
@@ -74,7 +74,8 @@ def launch(dict_cfg: DictConfig) -> None:
     if problems:
         _fail(ConfigError(problems))
     assert derived is not None
-    print_plan(cfg, derived, run_dir, console)
+    if cfg.dry_run or not cfg.tracking.quiet:
+        print_plan(cfg, derived, run_dir, console)
     for warning in advice(cfg, derived):  # runs, but is likely not what was meant
         print(f"slime_hydra: warning: {warning}", file=sys.stderr)
     for note in check.notes:
@@ -82,7 +83,9 @@ def launch(dict_cfg: DictConfig) -> None:
     if cfg.dry_run:
         console.print("dry run: config valid, nothing started.", markup=False)
         return
-    write_provenance(run_dir, dict_cfg, _overrides())
+    write_provenance(run_dir, dict_cfg, _overrides(), plan_text(cfg, derived, run_dir))
+    if cfg.tracking.quiet:
+        console.print(f"run directory: {run_dir} (the config in resolved.yaml, the plan in plan.txt)", markup=False)
     if cfg.cluster.scheduler == "slurm":
         from slime_hydra.launch.submit import submit
 

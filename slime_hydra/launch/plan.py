@@ -1,5 +1,6 @@
 """The plan a run would execute, printed by dry_run=true: derived values, Ray placement, the sbatch script."""
 
+import io
 from pathlib import Path
 
 from rich.console import Console
@@ -76,6 +77,13 @@ def placement_lines(cfg: SlimeConfig, d: Derived) -> list[str]:
             head = " (Ray head: driver, rollout manager, router)" if k == 0 else ""
             lines.append(f"  node {k + 1}{head}: {', '.join(roles) or 'nothing'}")
     return lines
+
+
+def plan_text(cfg: SlimeConfig, d: Derived, run_dir: Path) -> str:
+    """What ``print_plan`` shows, as plain text 120 columns wide: <run_dir>/plan.txt."""
+    console = Console(file=io.StringIO(), width=120, record=True, color_system=None)
+    print_plan(cfg, d, run_dir, console)
+    return console.export_text()
 
 
 def print_plan(cfg: SlimeConfig, d: Derived, run_dir: Path, console: Console) -> None:

@@ -98,8 +98,9 @@ def _show(value: Any) -> str:
 
 
 def lr_jump(old: SlimeConfig, new: SlimeConfig, step: int) -> str:
-    """The learning rate of the first optimizer step after a resume at rollout step ``step``: under the schedule
-    the run was planned with, and under the new one, which the trainer follows (train/optim.continue_schedule)."""
+    """The learning rate of the first optimizer step of rollout step ``step + 1``, the first after a resume from the
+    checkpoint of step ``step``: under the schedule the run was planned with, and under the new one, which the trainer
+    follows (train/optim.continue_schedule)."""
     from slime_hydra.train.optim import lr_at  # torch: imported only here
 
     done = step * derive(old).optimizer_steps_per_rollout  # the optimizer steps the checkpoint has taken
@@ -109,7 +110,7 @@ def lr_jump(old: SlimeConfig, new: SlimeConfig, step: int) -> str:
         return lr_at(done, cfg.train, total), lr_at(done, cfg.train, total, peak=cfg.train.critic_lr)
 
     (actor, critic), (new_actor, new_critic) = rates(old), rates(new)
-    text = f"the learning rate at step {step}: {actor:.3g} -> {new_actor:.3g}"
+    text = f"the learning rate at step {step + 1}: {actor:.3g} -> {new_actor:.3g}"
     return text + (f" (critic: {critic:.3g} -> {new_critic:.3g})" if new.algo.needs_critic else "")
 
 
@@ -155,7 +156,7 @@ def check_resume(cfg: SlimeConfig, resolved: DictConfig, run_dir: Path, console:
     try:
         jump = lr_jump(load_run_config(planned.parent), cfg, step)
     except Exception as error:  # an old config this schema no longer reads: the changes are listed all the same
-        jump = f"the learning rate at step {step}: not computed ({type(error).__name__}: {error})"
+        jump = f"the learning rate at step {step + 1}: not computed ({type(error).__name__}: {error})"
     console.print("\n".join([f"resume from {ckpt} with resume_allow_changes=true: {len(changed)} key(s) differ "
                              f"from the run's config ({planned}):", *diff, f"  {jump}"]), markup=False, highlight=False)
     return run_dir, []

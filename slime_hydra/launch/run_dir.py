@@ -35,7 +35,7 @@ from slime_hydra.durable import replace_durably
 
 TRACKED_PACKAGES = ("slime_hydra", "torch", "transformers", "ray", "hydra-core", "omegaconf", "submitit",
                     "sglang-router", "sglang", "megatron-core", "safetensors", "math-verify", "wandb", "tensorboard")
-PROVENANCE = ("resolved.yaml", "overrides.yaml", "git.txt", "git.diff", "versions.json")
+PROVENANCE = ("resolved.yaml", "overrides.yaml", "plan.txt", "git.txt", "git.diff", "versions.json")
 """The files of one launch, in launches/<NNN>-<time>/ and (the latest launch's) at the top of the run directory."""
 LAUNCHES = "launches"
 RUN_MARKERS = ("resolved.yaml", "metrics.jsonl", "checkpoints")
@@ -97,9 +97,10 @@ def _new_launch_folder(run_dir: Path, stamp: str) -> Path:
             continue
 
 
-def write_provenance(run_dir: Path, cfg: DictConfig, overrides: Sequence[str]) -> Path:
-    """Create run_dir and record this launch (the config, the overrides, the code version and the package versions)
-    in a new launches/<NNN>-<time>/, and as the latest launch at the top; returns the launch's folder."""
+def write_provenance(run_dir: Path, cfg: DictConfig, overrides: Sequence[str], plan: str) -> Path:
+    """Create run_dir and record this launch (the config, the overrides, the plan as printed, the code version and
+    the package versions) in a new launches/<NNN>-<time>/, and as the latest launch at the top; returns the launch's
+    folder."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "resolved.yaml").exists() and not (run_dir / LAUNCHES).exists():  # written before launches/
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((run_dir / "resolved.yaml").stat().st_mtime))
@@ -111,7 +112,7 @@ def write_provenance(run_dir: Path, cfg: DictConfig, overrides: Sequence[str]) -
     status = _git("status", "--porcelain", "--untracked-files=no")
     branch = _git("rev-parse", "--abbrev-ref", "HEAD").strip()
     files = {"resolved.yaml": OmegaConf.to_yaml(cfg, resolve=True),
-             "overrides.yaml": OmegaConf.to_yaml(OmegaConf.create(list(overrides))),
+             "overrides.yaml": OmegaConf.to_yaml(OmegaConf.create(list(overrides))), "plan.txt": plan,
              "git.txt": f"sha: {sha}\nbranch: {branch}\ndirty: {bool(status.strip())}\n",
              "git.diff": _git("diff", "HEAD"),
              "versions.json": json.dumps(package_versions(), indent=2) + "\n"}

@@ -22,5 +22,8 @@ class TrackingConfig:
     """Write TensorBoard event files under <run_dir>/tensorboard."""
     progress: bool = True
     """Show the rich progress display on the terminal."""
+    quiet: bool = False
+    """Before a run, print one line (the run directory) instead of the derived values, the plan and the memory plan;
+    the run directory's plan.txt and resolved.yaml hold them either way. Dry runs print everything."""
     log_every_steps: int = positive(1)
     """Metrics are emitted every N rollout steps."""

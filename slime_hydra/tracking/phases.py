@@ -3,7 +3,7 @@
     timer = StepTimer()
     with timer.phase("train"):
         ...
-    metrics.update(timer.metrics())   # perf/<phase>_time for each phase entered, perf/step_time, perf/overhead_time
+    metrics.update(timer.metrics(tokens))  # perf/<phase>_time, perf/step_time, perf/overhead_time, the step's rate
 
 A phase entered twice in a step adds up (colocated runs move memory before the rollout, the training and the
 sync: one ``offload`` time). ``perf/overhead_time`` is the step time outside every phase (Ray calls, batch
@@ -39,11 +39,15 @@ class StepTimer:
             self.times[name] = self.times.get(name, 0.0) + time.monotonic() - began
             self.current = None
 
-    def metrics(self) -> dict[str, float]:
-        """perf/<phase>_time of every phase entered, perf/step_time (since the timer was made) and
-        perf/overhead_time (step time outside the phases)."""
+    def metrics(self, tokens: float | None = None) -> dict[str, float]:
+        """perf/<phase>_time of every phase entered, perf/step_time (since the timer was made),
+        perf/overhead_time (step time outside the phases) and, given the step's response tokens,
+        perf/step_tokens_per_s = tokens / perf/step_time: the whole step's rate, where the rollout manager's
+        perf/tokens_per_s is the generation's alone (tokens / the time the batch took to generate)."""
         step = time.monotonic() - self.start
         out = {f"perf/{name}_time": seconds for name, seconds in self.times.items()}
         out["perf/step_time"] = step
         out["perf/overhead_time"] = step - sum(self.times.values())
+        if tokens is not None:
+            out["perf/step_tokens_per_s"] = tokens / max(step, 1e-9)
         return out

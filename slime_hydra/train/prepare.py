@@ -1,7 +1,7 @@
 """From scored samples to a train batch with advantages: the 'old/ref logprobs -> advantages' part of a step.
 
     batch = to_train_batch(samples, pad_id, reward_key)        # rewards [B], rollout logprobs [B, T]
-    add_advantages(batch, algo, group_size, old, ref, values)  # advantages, returns (and the shaped KL) [B, T]
+    metrics = add_advantages(batch, algo, group_size, old, ref, values)  # advantages, returns [B, T]; train/*
 
 Samples arrive group-contiguous (the group_size samples of one prompt next to each other), as the buffer hands
 them out; GRPO-style baselines rely on that order.
@@ -41,8 +41,12 @@ def to_train_batch(samples: Sequence[Sample], pad_id: int, reward_key: Optional[
 
 def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_logprobs: Optional[torch.Tensor],
                    ref_logprobs: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None,
-                   max_response_tokens: Optional[int] = None) -> None:
-    """Store old_logprobs, ref_logprobs, advantages and returns (and values as old_values) in batch.extras.
+                   max_response_tokens: Optional[int] = None) -> dict[str, float]:
+    """Store old_logprobs, ref_logprobs, advantages and returns (and values as old_values) in batch.extras; return
+    the step's metrics of this part: ``train/advantage_abs_mean`` (mean |advantage| over the trained tokens),
+    ``train/overlong_penalty`` (DAPO: its mean over the samples) and ``train/reward_kl`` (reward shaping: the
+    shaping KL's mean over the trained tokens, the KL term this objective optimizes; its loss-term counterpart is the
+    actor loss's ``train/kl_loss``).
 
     The KL of reward shaping (algo.kl_coef > 0) is k-estimator(old || ref) per token, computed here once.
     old_logprobs may be None when the loss takes them from its own forward (``needs_old_logprobs`` is False).
@@ -74,6 +78,13 @@ def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_log
     extras["advantages"], extras["returns"] = advantages, returns
     if values is not None:
         extras["old_values"] = values
+    tokens = batch.loss_mask.sum()
+    metrics = {"train/advantage_abs_mean": float((advantages.abs() * batch.loss_mask).sum() / tokens)}
+    if "overlong_penalty" in extras:
+        metrics["train/overlong_penalty"] = float(extras["overlong_penalty"].mean())
+    if kl is not None:
+        metrics["train/reward_kl"] = float((kl * batch.loss_mask).sum() / tokens)
+    return metrics
 
 
 def needs_old_logprobs(algo: AlgoConfig, optimizer_steps_per_rollout: int) -> bool:

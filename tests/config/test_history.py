@@ -34,7 +34,8 @@ def run_with_checkpoint(root: Path, *overrides: str, step: int = 6) -> Path:
     (run / "checkpoints" / "latest").write_text(ckpt.name + "\n")
     resolved = compose([f"output_dir={root}", "run_name=r", "num_steps=6", *overrides])
     (run / "resolved.yaml").write_text(OmegaConf.to_yaml(resolved, resolve=True))
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/lr": 1e-4}) + "\n" for s in range(step)))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/lr": 1e-4}) + "\n"
+                                               for s in range(1, step + 1)))
     return run
 
 
@@ -103,12 +104,12 @@ def test_an_allowed_change_is_listed_with_the_learning_rate_jump(tmp_path):
                  "dry_run=true")
     assert out.returncode == 0, out.stderr
     assert "with resume_allow_changes=true: 2 key(s) differ from the run's config" in out.stdout
-    assert ("  train.lr: 0.0002 -> 0.0001\n  num_steps: 6 -> 8\n  the learning rate at step 6: 2e-05 -> 4e-05\n"
+    assert ("  train.lr: 0.0002 -> 0.0001\n  num_steps: 6 -> 8\n  the learning rate at step 7: 2e-05 -> 4e-05\n"
             in out.stdout)
     # PPO's critic follows the same schedule from its own peak: 1e-4 -> 2e-5 + 8e-5 x 2/8 = 4e-5 as well
     _, problems, said = resume_check(tmp_path, "num_steps=8", "train.lr=1e-4", "train.critic_lr=1e-4",
                                      "resume_allow_changes=true", "algo=ppo")
-    assert problems == [] and "the learning rate at step 6: 2e-05 -> 4e-05 (critic: 2e-05 -> 4e-05)" in said
+    assert problems == [] and "the learning rate at step 7: 2e-05 -> 4e-05 (critic: 2e-05 -> 4e-05)" in said
     assert "algo.name: grpo -> ppo" in said
 
 
@@ -172,12 +173,13 @@ def test_the_comparison_walks_the_schema_and_skips_keys_one_side_lacks():
 # ---- every launch keeps its provenance ---------------------------------------------------------------------------
 def test_every_launch_keeps_its_own_config_and_the_top_level_is_the_latest(tmp_path):
     run = tmp_path / "r"
-    first = write_provenance(run, compose(["num_steps=6"]), ["num_steps=6"])
-    second = write_provenance(run, compose(["num_steps=8"]), ["num_steps=8", "resume_allow_changes=true"])
+    first = write_provenance(run, compose(["num_steps=6"]), ["num_steps=6"], "plan 6")
+    second = write_provenance(run, compose(["num_steps=8"]), ["num_steps=8", "resume_allow_changes=true"], "plan 8")
     assert launch_folders(run) == [first, second]
     assert [p.name[:4] for p in (first, second)] == ["001-", "002-"]
-    assert sorted(p.name for p in first.iterdir()) == ["git.diff", "git.txt", "overrides.yaml", "resolved.yaml",
-                                                       "versions.json"]
+    assert sorted(p.name for p in first.iterdir()) == ["git.diff", "git.txt", "overrides.yaml", "plan.txt",
+                                                       "resolved.yaml", "versions.json"]
+    assert (first / "plan.txt").read_text() == "plan 6" and (run / "plan.txt").read_text() == "plan 8"
     assert OmegaConf.load(first / "resolved.yaml").num_steps == 6 and OmegaConf.load(first / "overrides.yaml") == [
         "num_steps=6"]
     assert OmegaConf.load(second / "resolved.yaml").num_steps == 8
@@ -191,7 +193,7 @@ def test_a_run_directory_from_before_launches_keeps_its_first_launch(tmp_path):
     run.mkdir()
     (run / "resolved.yaml").write_text(OmegaConf.to_yaml(compose(["num_steps=6"]), resolve=True))
     (run / "overrides.yaml").write_text("- num_steps=6\n")
-    latest = write_provenance(run, compose(["num_steps=7"]), ["num_steps=7"])
+    latest = write_provenance(run, compose(["num_steps=7"]), ["num_steps=7"], "plan 7")
     earlier, now = launch_folders(run)
     assert now == latest and earlier.name.startswith("001-") and now.name.startswith("002-")
     assert OmegaConf.load(earlier / "resolved.yaml").num_steps == 6 and (earlier / "overrides.yaml").exists()

@@ -66,17 +66,24 @@ def test_real_run_without_ray_variables_in_the_environment(tmp_path):
     out = subprocess.run([sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r",
                           *FAST], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "Connected to Ray cluster" in out.stdout + out.stderr
+    assert "Connecting to existing Ray cluster" not in out.stdout + out.stderr  # Ray's own INFO lines stay quiet
     assert json.loads((tmp_path / "r" / "run.json").read_text())["outcome"] == "done"
 
 
 def test_real_run_writes_provenance(tmp_path, monkeypatch, joined_ray):
     """A real run (one tiny step, on the shared Ray node: the loop itself is tested in tests/loop) leaves its
-    provenance."""
+    provenance. Quiet, it prints one line before the run instead of the plan, which plan.txt keeps."""
     monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path / "cache"))
-    out = launch(f"output_dir={tmp_path}", "run_name=r1", "train.lr=3e-5", *FAST)
+    out = launch(f"output_dir={tmp_path}", "run_name=r1", "train.lr=3e-5", "tracking.quiet=true", *FAST)
     assert out.returncode == 0, out.stderr
     run = tmp_path / "r1"
+    assert f"run directory: {run} (the config in resolved.yaml, the plan in plan.txt)" in out.stdout
+    assert "Derived values" not in out.stdout and "Memory plan" not in out.stdout
+    assert "Connecting to existing Ray cluster" not in out.stdout + out.stderr
+    printed = out.stdout + out.stderr + (run / "logs" / "engine_0.log").read_text()
+    assert "Loading weights" not in printed and "Writing model shards" not in printed  # transformers' bars
+    plan = (run / "plan.txt").read_text()
+    assert "Derived values" in plan and "Memory plan (estimates" in plan and f"run directory: {run}" in plan
     resolved = yaml.safe_load((run / "resolved.yaml").read_text())
     assert resolved["train"]["lr"] == 3e-5 and resolved["run_name"] == "r1"
     assert "train.lr=3e-5" in yaml.safe_load((run / "overrides.yaml").read_text())

@@ -43,10 +43,10 @@ def test_levels_follow_the_rewards_and_a_resume_draws_the_same_prompts(tmp_path)
     assert "resumed from" in resumed.stdout
 
     rows = train_rows(run)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     replay = AdaptiveSampler(AdaptiveConfig(enabled=True, start_level=3, window_groups=4), "arithmetic", SEED,
                              make_records=lambda r: r)
-    for step, logged in enumerate(rows):
+    for step, logged in enumerate(rows, start=1):
         expected = [r["prompt"] for r in replay.take(4)]
         got = groups(run, step)
         assert [g[0]["prompt"] for g in got] == expected, f"step {step}"

@@ -42,7 +42,7 @@ def reference(tmp_path_factory):
 
 def test_saves_after_every_step_in_the_background_and_a_killed_run_resumes_exactly(reference, tmp_path):
     rows = train_rows(reference)
-    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert prompts_per_step(reference, STEPS) == source_prompts(STEPS, *SMALL)  # the data source's order, from the top
     # the write started after step k is seen finished at the next step's boundary (the last one waits for it)
     assert "perf/checkpoint_write_time" not in rows[0]
@@ -50,22 +50,22 @@ def test_saves_after_every_step_in_the_background_and_a_killed_run_resumes_exact
     assert _latest(reference) == "step_000006"
     assert sorted(p.name for p in (reference / "checkpoints").glob("step_*")) == [
         "step_000004", "step_000005", "step_000006"]  # keep_checkpoints=3
-    # kill -9 at a moment of step 3 (a background write may be in flight), then the same command again
+    # kill -9 at a moment of step 4 (a background write may be in flight), then the same command again
     command = _command(tmp_path, "save_every_steps=1")
     run = tmp_path / "r"
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
-    while not [r for r in train_rows(run) if r["step"] >= 2]:
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 2"
+    while not [r for r in train_rows(run) if r["step"] >= 3]:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 3"
         time.sleep(0.05)
     time.sleep(0.5 * rows[3]["perf/step_time"])
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert _latest(run) in ("step_000002", "step_000003", "step_000004")  # step 2's was complete before its row
+    assert _latest(run) in ("step_000002", "step_000003", "step_000004")  # step 2's was complete before row 3
     out = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "resumed from" in out.stdout
-    assert [r["step"] for r in train_rows(run)] == list(range(STEPS))
+    assert [r["step"] for r in train_rows(run)] == list(range(1, STEPS + 1))
     assert prompts_per_step(run, STEPS) == prompts_per_step(reference, STEPS)
 
 
@@ -82,13 +82,13 @@ def test_a_run_killed_while_a_write_is_held_resumes_from_the_previous_complete_c
                                 start_new_session=True, env={**os.environ, HOLD_ENV: str(held)})
     try:
         deadline = time.monotonic() + 300
-        while not (list(held.glob("held_*")) and [r for r in train_rows(run) if r["step"] == 4]):
+        while not (list(held.glob("held_*")) and [r for r in train_rows(run) if r["step"] == 5]):
             assert proc.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, "no write held and step 4 trained within 300 s"
             time.sleep(0.05)
         time.sleep(1.0)  # step 5 trains and its save waits for the held write: the run ends no further
         assert proc.poll() is None and _latest(run) == "step_000002"
-        assert [r["step"] for r in train_rows(run)] == [0, 1, 2, 3, 4]
+        assert [r["step"] for r in train_rows(run)] == [1, 2, 3, 4, 5]
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -97,8 +97,8 @@ def test_a_run_killed_while_a_write_is_held_resumes_from_the_previous_complete_c
     assert not (held / "actor" / "rank0.pt").exists() and not (held / "actor" / "trainer.json").exists()
     out = subprocess.run(_command(tmp_path, "save_every_steps=2"), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "step_000002 at step 2" in out.stdout  # "resumed from <run>/checkpoints/step_000002 at step 2"
-    assert [r["step"] for r in train_rows(run)] == list(range(STEPS))
+    assert "step_000002 after step 2" in out.stdout  # "resumed from <run>/checkpoints/step_000002 after step 2"
+    assert [r["step"] for r in train_rows(run)] == list(range(1, STEPS + 1))
     assert prompts_per_step(run, STEPS) == prompts_per_step(reference, STEPS)
     assert _latest(run) == "step_000006" and (held / "actor" / "trainer.json").exists()
 
@@ -115,8 +115,8 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(re
     assert out.returncode == 0, out.stderr[-4000:]
     assert (f"resuming from step_000005: {run}/checkpoints/step_000006 is damaged (actor/dcp/__0_0.distcp: "
             f"{size // 2} bytes, manifest says {size})") in out.stdout
-    assert "step_000005 at step 5" in out.stdout  # "resumed from <run>/checkpoints/step_000005 at step 5"
-    assert [r["step"] for r in train_rows(run)] == list(range(STEPS))
+    assert "step_000005 after step 5" in out.stdout  # "resumed from <run>/checkpoints/step_000005 after step 5"
+    assert [r["step"] for r in train_rows(run)] == list(range(1, STEPS + 1))
     assert prompts_per_step(run, STEPS) == prompts_per_step(reference, STEPS)
     assert _latest(run) == "step_000006" and shard.stat().st_size == size  # written again, whole
     assert [p.name.split("-")[0] for p in (run / "checkpoints" / "partial").iterdir()] == ["step_000006"]

@@ -82,8 +82,8 @@ def test_an_engine_killed_mid_run_costs_nothing(tmp_path, joined_ray, weight_syn
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while not [r for r in train_rows(run) if r["step"] >= 1]:
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
+        while not [r for r in train_rows(run) if r["step"] >= 2]:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 2"
             time.sleep(0.1)
         pids = engine_pids(run_processes(proc.pid, joined_ray))
         assert len(pids) == engines
@@ -94,7 +94,7 @@ def test_an_engine_killed_mid_run_costs_nothing(tmp_path, joined_ray, weight_syn
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-4000:]
     rows = train_rows(run)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert sum(r["rollout/engine_restarts"] for r in rows) == 1
     resends = sum(r["rollout/weight_resends"] for r in rows)
     # distributed or CUDA IPC, one engine: the trainer sends the weights again unless the step's own sync reached the
@@ -104,10 +104,10 @@ def test_an_engine_killed_mid_run_costs_nothing(tmp_path, joined_ray, weight_syn
     assert ("sending version" in out) == (resends == 1)
     assert all(r["rollout/weight_version_lag"] == 0 for r in rows)  # no step trained on stale or initial weights
     prompts = []
-    for step in range(5):
+    for step in range(1, 6):
         samples = [json.loads(line) for line in (run / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
         assert len(samples) == 16 and len({s["index"] for s in samples}) == 16
-        assert all(s["weight_version"] == step for s in samples)
+        assert all(s["weight_version"] == step - 1 for s in samples)  # step k samples with the weights of k - 1
         prompts += {s["group_index"]: s["prompt"] for s in samples}.values()
     assert len(prompts) == 20 and len(set(prompts)) == 20  # every step 4 new prompts, none lost or repeated
 
@@ -122,7 +122,7 @@ def test_nothing_of_a_run_outlives_its_driver_killed_with_sigkill(tmp_path):
     try:
         deadline = time.monotonic() + 240
         while not train_rows(tmp_path / "r"):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 0"
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
             time.sleep(0.1)
         run = [p for p in descendants(proc.pid) if p != proc.pid]
         assert engine_pids(run) and len(run) >= 5  # Ray's daemons, the actors, the engine, the router

@@ -44,7 +44,7 @@ def prompts_per_step(run: Path, steps: int, samples: int = 16) -> list[list[str]
     """The prompts each step of a run with ``debug.save_rollouts=true`` trained on, in group order (``samples`` a
     step: the run's prompts x samples per prompt)."""
     out = []
-    for step in range(steps):
+    for step in range(1, steps + 1):
         rows = [json.loads(line) for line in (run / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
         assert len(rows) == samples
         out.append([p for _, p in sorted({s["group_index"]: s["prompt"] for s in rows}.items())])
@@ -89,21 +89,26 @@ def test_default_loop_runs_syncs_checkpoints_and_exports(tmp_path):
     out = launch(f"output_dir={tmp_path}", "run_name=r", "num_steps=3", "rollout.eval_every_steps=3",
                  "algo.kl_loss_coef=0.001",  # the tiny tuning drops the KL term; this test checks it
                  "debug.save_rollouts=true",
-                 "save_every_minutes=1e-6", "keep_checkpoints=2", *SHAPE)  # a save after every step, two kept
+                 "save_every_minutes=1e-6", "keep_checkpoints=2",  # a save after every step, two kept
+                 *[a for a in SHAPE if a != "tracking.progress=false"])  # one progress line a step on stderr
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "r"
     rows = train_rows(run)
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]                         # steps count from 1
     first = rows[0]
     assert first["train/ppo_kl"] == 0 and first["train/pg_clipfrac"] == 0
-    assert first["train/kl_loss"] == pytest.approx(0, abs=1e-7)          # the policy is the reference at step 0
+    assert first["train/kl_loss"] == pytest.approx(0, abs=1e-7)          # the policy is the reference at step 1
     assert rows[2]["train/kl_loss"] > 0                                   # ...and moves away from it
     assert all(r["rollout/tokens"] > 0 and r["sync/bytes"] > 0 for r in rows)
     assert all(r["rollout/weight_version_lag"] == 0 for r in rows)        # sync mode: always the newest weights
     # orchestration overhead: the step time outside the measured phases
     assert all(r["perf/overhead_time"] < 0.25 * r["perf/step_time"] for r in rows[1:])
     evals = [m for m in metrics(run) if "eval/addition/accuracy" in m]
-    assert [m["step"] for m in evals] == [0, 2]                           # before training and at the end
+    assert [m["step"] for m in evals] == [0, 3]                           # before training (row 0) and after step 3
+    lines = [line for line in out.stderr.splitlines() if line.startswith(("before training", "step "))]
+    assert [line.split(" |")[0].rsplit(" ", 1)[0] for line in lines] == ["before training", "step 1/3", "step 2/3",
+                                                                         "step 3/3"]
+    assert all("generate " in line and " tok/s | step " in line for line in lines[1:])
     assert 0 <= evals[-1]["eval/addition/accuracy"] <= 1 and "eval/addition/pass@1" in evals[-1]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000002", "step_000003"]
@@ -112,7 +117,7 @@ def test_default_loop_runs_syncs_checkpoints_and_exports(tmp_path):
     assert json.loads((run / "run.json").read_text())["outcome"] == "done"
 
     # the trained model comes out: the final policy as an HF checkpoint with the tokenizer, and any checkpoint through
-    # the export command; the policy of checkpoint 2 is the one that generated step 2's rollout, so plain
+    # the export command; the policy of checkpoint 2 is the one that generated step 3's rollout, so plain
     # transformers on its export reproduces the engine's logprobs of those tokens
     final = run / "export" / "step_000003"
     assert f"the trained model: {final}" in out.stdout
@@ -120,7 +125,7 @@ def test_default_loop_runs_syncs_checkpoints_and_exports(tmp_path):
     export = subprocess.run([sys.executable, "-m", "slime_hydra.export", str(run), "--step", "2"], capture_output=True,
                             text=True, timeout=300)
     assert export.returncode == 0, export.stderr[-4000:]
-    gap, tokens = rollout_logprob_gap(run / "export" / "step_000002", run / "rollouts" / "step_000002.jsonl")
+    gap, tokens = rollout_logprob_gap(run / "export" / "step_000002", run / "rollouts" / "step_000003.jsonl")
     assert tokens >= 16 and gap < 1e-5
 
 
@@ -134,8 +139,8 @@ def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):
     run = tmp_path / "r"
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 240
-    while not [r for r in train_rows(run) if r["step"] >= 3]:
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 3"
+    while not [r for r in train_rows(run) if r["step"] >= 4]:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 4"
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -143,10 +148,10 @@ def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):
     out = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "resumed from" in out.stdout
-    assert [r["step"] for r in train_rows(run)] == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in train_rows(run)] == [1, 2, 3, 4, 5, 6]
     # the data cursor: the 6 steps trained on 6 x 4 distinct prompts, none twice
     prompts = []
-    for step in range(6):
+    for step in range(1, 7):
         lines = (run / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
         groups = {json.loads(line)["group_index"]: json.loads(line)["prompt"] for line in lines}
         assert len(groups) == 4
@@ -162,10 +167,11 @@ def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):
     assert refused.returncode == 2 and "  train.lr: 0.0002 -> 0.0001\n  num_steps: 6 -> 8\n" in refused.stderr
     out = subprocess.run([*longer, "resume_allow_changes=true"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
-    # at step 6 of 6 the rate was 2e-5; 6 and 7 of 8 at a 1e-4 peak: 2e-5 + 8e-5 x 2/8, 2e-5 + 8e-5 x 1/8
-    assert "the learning rate at step 6: 2e-05 -> 4e-05" in out.stdout
+    # after 6 optimizer steps of 6 the rate was 2e-5; of 8 at a 1e-4 peak, steps 7 and 8 run at 2e-5 + 8e-5 x 2/8
+    # and 2e-5 + 8e-5 x 1/8
+    assert "the learning rate at step 7: 2e-05 -> 4e-05" in out.stdout
     rows = train_rows(run)
-    assert [r["step"] for r in rows] == list(range(8))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     assert [r["train/lr"] for r in rows[6:]] == pytest.approx([4e-5, 3e-5], rel=1e-9)
     # every launch that ran kept its config (the refused one ran nothing); the top level is the latest
     launches = sorted((run / "launches").iterdir())
@@ -191,17 +197,17 @@ def test_sigterm_to_the_process_group_checkpoints_and_the_rerun_continues(tmp_pa
     assert proc.returncode == preempt.EXIT_CODE == 75 and "preempted" in stdout
     assert json.loads((run / "run.json").read_text())["outcome"] == "preempted"
     saved = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-    assert 1 <= saved < 8 and [r["step"] for r in train_rows(run)] == list(range(saved))
+    assert 1 <= saved < 8 and [r["step"] for r in train_rows(run)] == list(range(1, saved + 1))
     out = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert [r["step"] for r in train_rows(run)] == list(range(8))
+    assert [r["step"] for r in train_rows(run)] == list(range(1, 9))
 
 
 def test_async_mode_overlaps_and_bounds_staleness(tmp_path):
     out = launch(f"output_dir={tmp_path}", "run_name=r", "num_steps=4", "mode=async", "max_staleness=1", *SMALL)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = train_rows(tmp_path / "r")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["rollout/weight_version_lag"] <= 1 for r in rows)
     assert any(r["rollout/weight_version_lag"] == 1 for r in rows[1:])   # generated while the previous step trained
 
@@ -217,6 +223,6 @@ def test_rollout_only_then_train_only_from_the_saved_rollouts(tmp_path):
                  f"debug.rollout_path={tmp_path / 'gen' / 'rollouts'}", *SMALL, "algo=ppo")
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [m for m in metrics(tmp_path / "train") if "train/pg_loss" in m]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(r["train/value_loss"] > 0 and r["train/critic_grad_norm"] > 0 for r in rows)  # the critic trained
     assert not (tmp_path / "train" / "logs" / "engine_0.log").exists()    # no engine was started

@@ -55,8 +55,8 @@ def test_lora_run_keeps_engine_and_trainer_together(tmp_path, sync, transport):
                  f"train.weight_sync={transport}", *LORA, *SMALL)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = train_rows(run)
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert rows[0]["train/kl_loss"] == 0.0  # B = 0: the policy is the reference at step 0, exactly
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["train/kl_loss"] == 0.0  # B = 0: the policy is the reference at step 1, exactly
     assert rows[2]["train/kl_loss"] > 0.0
     for r in rows:  # the engine sampled from the policy the trainer scores (the dense gate)
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-5, r

@@ -27,7 +27,7 @@ def test_moe_run_keeps_engine_and_trainer_together(tmp_path, backend, replay):
                  "save_every_steps=1", *SMALL)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = train_rows(tmp_path / "r")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["train/kl_loss"] == pytest.approx(0, abs=1e-7) and rows[2]["train/kl_loss"] > 0
     for r in rows:
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-5, r
@@ -44,8 +44,8 @@ def test_moe_run_keeps_engine_and_trainer_together(tmp_path, backend, replay):
             assert experts.shape[0] == len(sample["tokens"]) - 1 and (experts >= 0).all() and (experts < 8).all()
         else:
             assert sample["routed_experts"] == ""
-    # the trained MoE comes out of either backend's checkpoints: checkpoint 2's policy generated step 2's rollout
+    # the trained MoE comes out of either backend's checkpoints: checkpoint 2's policy generated step 3's rollout
     run = tmp_path / "r"
     assert (run / "export" / "step_000003" / "model.safetensors").is_file()
-    gap, tokens = rollout_logprob_gap(export_checkpoint(run, step=2), run / "rollouts" / "step_000002.jsonl")
+    gap, tokens = rollout_logprob_gap(export_checkpoint(run, step=2), run / "rollouts" / "step_000003.jsonl")
     assert tokens >= 16 and gap < 1e-5

@@ -39,7 +39,7 @@ def test_a_reward_that_never_returns_is_found_and_stops_the_run(tmp_path):
     assert len(reports) == 1
     report = (reports[0] / "report.txt").read_text()
     assert "no step finished and no generation or reward finished for" in report
-    assert "step 0, phase rollout: waiting for the rollout manager (RolloutManager.generate_batch)" in report
+    assert "step 1, phase rollout: waiting for the rollout manager (RolloutManager.generate_batch)" in report
     assert "4 reward group (never_returns) in flight" in report and "no generation in flight" in report
     assert report.strip() in out.stdout  # printed as written
     stacks = (reports[0] / "stacks.txt").read_text()

@@ -80,7 +80,7 @@ def test_a_node_that_dies_mid_run_is_named_frees_the_allocation_and_the_same_com
     assert again.returncode == 0, again.stderr
     end = two_nodes.wait_for_end(run_dir, 900)
     assert end["state"] == "COMPLETED", end
-    assert trained_steps(run_dir) == list(range(6))
+    assert trained_steps(run_dir) == list(range(1, 7))
     assert "resumed from" in job_log(run_dir)
 
 
@@ -92,7 +92,7 @@ def test_an_engine_killed_on_node_two_restarts_there_and_no_sample_is_lost(two_n
     out = two_nodes.launch(*SMALL, "num_steps=5", "train.weight_sync=disk", "debug.save_rollouts=true",
                            "rollout.health_check_interval_s=0.5", "run_name=engine", f"output_dir={tmp_path}")
     assert out.returncode == 0, out.stderr
-    wait_until(lambda: len(trained_steps(run_dir)) >= 2, 900, "step 1", poll_s=1)
+    wait_until(lambda: len(trained_steps(run_dir)) >= 2, 900, "step 2", poll_s=1)
 
     before = {node: engine_servers(node) for node in ("mnode1", "mnode2")}
     assert len(before["mnode1"]) == 1 and len(before["mnode2"]) == 1, before
@@ -104,7 +104,7 @@ def test_an_engine_killed_on_node_two_restarts_there_and_no_sample_is_lost(two_n
     assert end["state"] == "COMPLETED", end
     rows = [row for row in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
             if "rollout/raw_reward" in row]
-    assert [r["step"] for r in rows] == list(range(5))
+    assert [r["step"] for r in rows] == list(range(1, 6))
     assert sum(r["rollout/engine_restarts"] for r in rows) == 1
     assert all(r["rollout/weight_version_lag"] == 0 for r in rows)
     assert re.search(rf"engine 1 \(http://{re.escape(FABRIC['mnode2'])}:\d+\) is down: .*restarting it",

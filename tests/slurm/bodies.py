@@ -34,8 +34,8 @@ def ray_nodes(cfg, run_dir: Path) -> str:
 def metrics(cfg, run_dir: Path) -> str:
     """Write a few metrics.jsonl lines as the loop does (what status reads), without Ray."""
     with open(run_dir / "metrics.jsonl", "a") as f:
-        for step in range(cfg.num_steps):
-            f.write(json.dumps({"step": step, "rollout/raw_reward": 0.25 * step}) + "\n")
+        for step in range(1, cfg.num_steps + 1):  # steps count from 1, as the loop's rows
+            f.write(json.dumps({"step": step, "rollout/raw_reward": 0.25 * (step - 1)}) + "\n")
     return "done"
 
 

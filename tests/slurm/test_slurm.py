@@ -99,7 +99,7 @@ def test_sweep_submits_every_point_as_its_own_job(tmp_path):
     assert {"num_steps=3", "seed=2"} <= set(points[3]["overrides"])
     done = wait_until(lambda: all(s.state == "COMPLETED" for s in status.collect(sweep_dir)) and status.collect(sweep_dir),
                       150, "all 4 points to complete", poll_s=2)
-    assert [s.last_step for s in done] == [1, 1, 2, 2] and done[2].last_reward == 0.5
+    assert [s.last_step for s in done] == [2, 2, 3, 3] and done[2].last_reward == 0.5
     table = subprocess.run([sys.executable, "-m", "slime_hydra.status", str(sweep_dir)], capture_output=True,
                            text=True, timeout=30)
     assert table.returncode == 0 and table.stdout.count("COMPLETED") == 4
@@ -211,4 +211,4 @@ def test_embedded_default_runs_under_slurm(tmp_path):
     run = wait_until(lambda: (lambda s: s if s.state in ("COMPLETED", "FAILED", "CANCELLED") else None)(
         state_of(tmp_path / "loop")), 300, "the loop job to end", poll_s=2)
     assert run.state == "COMPLETED", run.reason
-    assert run.last_step == 1 and run.last_reward is not None
+    assert run.last_step == 2 and run.last_reward is not None

@@ -87,15 +87,45 @@ def test_report_writes_one_png_per_panel(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     names = sorted(p.stem for p in (tmp_path / "plots").glob("*.png"))
-    assert names == ["accuracy", "entropy", "kl", "mismatch", "phase_times", "response_length", "reward"]
+    # no kl panel: its only series, train/ppo_kl, is 0 at every step (one optimizer step a rollout)
+    assert names == ["accuracy", "entropy", "mismatch", "phase_times", "response_length", "reward"]
     assert all(p.stat().st_size > 5000 for p in (tmp_path / "plots").glob("*.png"))
     assert str(tmp_path / "plots" / "reward.png") in out.stdout
 
 
+def test_report_overlays_runs_with_the_learning_rate_the_optimized_kl_and_legends_beside_the_axes(tmp_path,
+                                                                                                  monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from slime_hydra import report
+
+    for name, lr in (("a", 1e-4), ("b", 3e-4)):
+        tracker = Tracker(TrackingConfig(), tmp_path / name, name, {})
+        for k in range(1, 6):
+            tracker.log(k, {"rollout/raw_reward": 0.1 * k, "train/lr": lr * (1 - k / 10), "train/ppo_kl": 0.0,
+                            "train/kl_loss": 0.01 * k})
+        tracker.close()
+    drawn, save = [], report._save
+    monkeypatch.setattr(report, "_save", lambda fig, ax, path: (drawn.append((fig, ax, path)), save(fig, ax, path))[1])
+    written = report.write_report([tmp_path / "a", tmp_path / "b"], tmp_path / "both")
+    assert [p.name for p in written] == ["reward.png", "learning_rate.png", "kl.png"]
+    by_panel = {path.stem: ax for _, ax, path in drawn}
+    assert [line.get_label() for line in by_panel["kl"].get_lines()] == ["a: train/kl_loss", "b: train/kl_loss"]
+    lr = {line.get_label(): list(line.get_ydata()) for line in by_panel["learning_rate"].get_lines()}
+    assert lr["b: train/lr"] == pytest.approx([3e-4 * (1 - k / 10) for k in range(1, 6)])
+    for fig, ax, _ in drawn:  # every legend lies right of the axes, clear of the curves
+        fig.canvas.draw()
+        legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
+        assert legend.x0 > axes.x1, (legend, axes)
+    plt.close("all")
+
+
 def test_progress_summary_line():
     line = summary({"rollout/raw_reward": 0.5, "eval/addition/accuracy": 0.72, "perf/tokens_per_s": 1234.4,
-                    "perf/rollout_time": 1.25, "perf/train_time": 2.0, "perf/weight_sync_time": 0.05})
-    assert line == "reward 0.500 | addition 72.0% | 1234 tok/s | rollout 1.2s train 2.0s weight_sync 0.1s"
+                    "perf/step_tokens_per_s": 371.6, "perf/rollout_time": 1.25, "perf/train_time": 2.0,
+                    "perf/weight_sync_time": 0.05})
+    assert line == ("reward 0.500 | addition 72.0% | generate 1234 tok/s | step 372 tok/s | "
+                    "rollout 1.2s train 2.0s weight_sync 0.1s")
     small = {"rollout/raw_reward": 0.5, "train/train_rollout_logprob_abs_diff": 2e-6}
     assert summary(small) == "reward 0.500"  # the CPU path's agreement is not news
     large = {"rollout/raw_reward": 0.5, "train/train_rollout_logprob_abs_diff": 0.0123,
@@ -112,8 +142,20 @@ def test_progress_without_a_terminal_prints_one_plain_line_per_step():
 
     out = io.StringIO()
     with ProgressView(3, console=Console(file=out, force_terminal=False)) as view:
-        for step in range(3):
+        view.before_training({"eval/addition/accuracy": 0.25, "perf/eval_time": 2.0})
+        for step in range(1, 4):  # 1-based, as metrics.jsonl's rows and the checkpoints
             view.update(step, {"rollout/raw_reward": 0.25 * step, "perf/train_time": 1.0})
     lines = out.getvalue().splitlines()
-    assert [line.split(" ")[1] for line in lines] == ["1/3", "2/3", "3/3"]
-    assert lines[-1].endswith("| reward 0.500 | train 1.0s")
+    assert lines[0].startswith("before training 0:00 | addition 25.0% | eval 2.0s")
+    assert [line.split(" ")[1] for line in lines[1:]] == ["1/3", "2/3", "3/3"]
+    assert lines[-1].endswith("| reward 0.750 | train 1.0s")
+
+
+def test_the_step_rate_is_the_tokens_over_the_whole_step():
+    from slime_hydra.tracking.phases import StepTimer
+
+    timer = StepTimer()
+    timer.start -= 4.0  # a step that began 4 s ago
+    rate = timer.metrics(tokens=1000.0)["perf/step_tokens_per_s"]
+    assert 1000.0 / 4.1 < rate <= 1000.0 / 4.0
+    assert "perf/step_tokens_per_s" not in StepTimer().metrics()

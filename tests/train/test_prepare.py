@@ -22,11 +22,12 @@ def test_grpo_advantages_from_samples():
     assert batch.loss_mask.tolist() == [[1, 0, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
     assert batch.extras["rollout_logprobs"][1].tolist() == [-0.5, 0, 0]
     old = torch.zeros(batch.loss_mask.shape)
-    add_advantages(batch, AlgoConfig(), group_size=2, old_logprobs=old)
+    metrics = add_advantages(batch, AlgoConfig(), group_size=2, old_logprobs=old)
     # group 0: mean 0.5, sample std (n-1) = 0.7071 -> +-0.7071; group 1: all equal -> 0
     a = 0.5 / (0.5 ** 0.5 + 1e-6)
     expected = torch.tensor([[a, 0, a], [-a, 0, 0], [0, 0, 0], [0, 0, 0]])
     torch.testing.assert_close(batch.extras["advantages"], expected, atol=1e-5, rtol=0)
+    assert metrics == {"train/advantage_abs_mean": pytest.approx(3 * a / 6, abs=1e-6)}  # 3 of 6 trained tokens
     assert batch.extras["old_logprobs"] is old
 
 
@@ -38,6 +39,15 @@ def test_reward_shaping_needs_the_reference():
     with pytest.raises(ValueError, match="old and ref logprobs needed"):   # no old logprobs either
         add_advantages(batch, AlgoConfig(advantage_estimator="reinforce_pp", kl_coef=0.1), group_size=2,
                        old_logprobs=None, ref_logprobs=torch.zeros(batch.loss_mask.shape))
+
+
+def test_reward_shaping_reports_the_kl_it_optimizes():
+    """k1 KL = old - ref per token: 0.3 on every trained token, so its mean over the 6 trained tokens is 0.3."""
+    batch = to_train_batch(_samples(), pad_id=0)
+    old, ref = torch.full(batch.loss_mask.shape, -1.0), torch.full(batch.loss_mask.shape, -1.3)
+    metrics = add_advantages(batch, AlgoConfig(advantage_estimator="reinforce_pp", kl_coef=0.1, kl_loss_type="k1"),
+                             group_size=2, old_logprobs=old, ref_logprobs=ref)
+    assert metrics["train/reward_kl"] == pytest.approx(0.3, abs=1e-6)
 
 
 def test_one_optimizer_step_needs_no_separate_old_logprobs_pass():
@@ -61,8 +71,9 @@ def test_dapo_overlong_penalty_shapes_the_rewards():
                             penalty=2.0).tolist() == [0.0, 0.0, -1.0, -2.0, -2.0]
     batch = to_train_batch(_samples(), pad_id=0)
     algo = AlgoConfig(overlong_buffer_tokens=2, overlong_penalty=1.0)
-    add_advantages(batch, algo, group_size=2, old_logprobs=None, max_response_tokens=4)
+    metrics = add_advantages(batch, algo, group_size=2, old_logprobs=None, max_response_tokens=4)
     assert batch.extras["overlong_penalty"].tolist() == [-0.5, 0.0, 0.0, 0.0]
+    assert metrics["train/overlong_penalty"] == -0.125
     assert batch.extras["rewards"].tolist() == [0.5, 0.0, 1.0, 1.0]
     a = 0.25 / ((0.125 ** 0.5) + 1e-6)  # group 0: rewards 0.5, 0 -> mean 0.25, sample std 0.3536
     assert batch.extras["advantages"][:2, 0].tolist() == pytest.approx([a, -a], abs=1e-5)
