@@ -2,7 +2,8 @@
 
 Reads each <run_dir>/metrics.jsonl and writes one PNG per panel that has data (reward, accuracy, learning rate, KL,
 entropy, response length, phase times, the trainer-vs-engine logprob mismatch) and prints their paths. One run: to
-<run_dir>/plots/; several: each panel overlays the runs (one colour per run, one line style per metric), to ``--out``
+<run_dir>/plots/; several: each panel overlays the runs (one colour per run, one line style per metric; a panel of
+more metrics than line styles, as the phase times, gets a file per run: ``phase_times_<run>.png``), to ``--out``
 (default ./plots). Legends sit to the right of the axes, never over a curve. A run with adaptive difficulty
 (data.adaptive) also gets ``env_<task>.png`` per task (``env_<task>_<run>.png`` among several): its level (left
 axis) and its pass rate, per batch and over the sampler's window (right axis), over the steps.
@@ -76,30 +77,18 @@ def write_report(run_dirs: Path | list[Path], out: Path | None = None) -> list[P
     out.mkdir(parents=True, exist_ok=True)
     names = sorted({k for rows in runs.values() for row in rows for k in row if k not in ("step", "time")})
     title = " vs ".join(r.name for r in runs)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     written = []
     for panel, patterns in PANELS.items():
         series = [n for n in names if any(_matches(p, n) for p in patterns)
                   and not (n in HIDDEN_WHEN_ZERO and all(r.get(n, 0.0) == 0.0 for rows in runs.values() for r in rows))]
         if not series:
             continue
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for k, (run_dir, rows) in enumerate(runs.items()):
-            for j, name in enumerate(series):
-                steps, values = _points(rows, name)
-                if not steps:
-                    continue
-                label = f"{run_dir.name}: {name}" if several else name
-                ax.plot(steps, values, label=label, marker="." if len(steps) < 50 else None,
-                        color=colors[(k if several else j) % len(colors)],
-                        linestyle=STYLES[j % len(STYLES)] if several else "-")
-        ax.set_xlabel("rollout step")
-        if panel in YLABELS:
-            ax.set_ylabel(YLABELS[panel])
-        if panel == "mismatch":
-            ax.set_yscale("symlog", linthresh=1e-6)
-        ax.set_title(f"{title}: {panel.replace('_', ' ')}")
-        written.append(_save(fig, ax, out / f"{panel}.png"))
+        if several and len(series) > len(STYLES):  # too many lines to tell apart overlaid: one file per run
+            for run_dir, rows in runs.items():
+                path = out / f"{panel}_{run_dir.name}.png"
+                written.append(_panel(panel, {run_dir: rows}, series, run_dir.name, path))
+        else:
+            written.append(_panel(panel, runs, series, title, out / f"{panel}.png"))
     for run_dir, rows in runs.items():
         run_names = {k for row in rows for k in row}
         for task in sorted({n.split("/")[1] for n in run_names if n.startswith("env/") and n.count("/") == 2
@@ -107,6 +96,30 @@ def write_report(run_dirs: Path | list[Path], out: Path | None = None) -> list[P
             name = f"env_{task}_{run_dir.name}.png" if several else f"env_{task}.png"
             written.append(_env_panel(rows, task, run_dir, out / name))
     return written
+
+
+def _panel(panel: str, runs: dict[Path, list[dict]], series: list[str], title: str, path: Path) -> Path:
+    """One panel: each metric of ``series`` for each run (overlaid: a colour per run, a line style per metric)."""
+    several = len(runs) > 1
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for k, (run_dir, rows) in enumerate(runs.items()):
+        for j, name in enumerate(series):
+            steps, values = _points(rows, name)
+            if not steps:
+                continue
+            ax.plot(steps, values, label=f"{run_dir.name}: {name}" if several else name,
+                    marker="." if len(steps) < 50 else None, color=colors[(k if several else j) % len(colors)],
+                    linestyle=STYLES[j % len(STYLES)] if several else "-")
+    ax.set_xlabel("rollout step")
+    if panel in YLABELS:
+        ax.set_ylabel(YLABELS[panel])
+    if panel == "mismatch":
+        ax.set_yscale("symlog", linthresh=1e-6)
+    if panel == "learning_rate":
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax.set_title(f"{title}: {panel.replace('_', ' ')}")
+    return _save(fig, ax, path)
 
 
 def _env_panel(rows: list[dict], task: str, run_dir: Path, path: Path) -> Path:
