@@ -1,8 +1,8 @@
 """``python launch.py --help``: slime_hydra's own help, generated from conf/ and the schema so it cannot go stale.
 
-Each group with its options (the default marked) and the first comment line of each option's YAML, the recipes and
-sweeps with theirs, the keys users set most with the first line of their docstrings (options.field_doc), dry runs,
-exit codes and where the docs are. Hydra's own flags stay behind ``--hydra-help``.
+Each group with its options (the default marked) and the first sentence of each option's YAML comment, the recipes
+and sweeps with theirs, the keys users set most with the first sentence of their docstrings (options.field_doc), dry
+runs, exit codes and where the docs are. Hydra's own flags stay behind ``--hydra-help``.
 """
 
 import re
@@ -19,12 +19,28 @@ MOST_USED = ("model.path", "num_steps", "rollout.batch_prompts", "rollout.n_samp
 """The keys shown with their docstrings (every other key: docs/config.md and its schema dataclass)."""
 
 
+def first_sentence(text: str) -> str:
+    """The text up to its first sentence end (whole, when there is none): YAML comments and docstrings wrap
+    mid-sentence, so their first line would print half a sentence. A sentence ends at ``.``, ``!`` or ``?`` and a
+    space, except after an abbreviation (a word of one or two letters, or with a dot inside: "Dr.", "e.g.")."""
+    joined = " ".join(text.split())
+    for match in re.finditer(r"(\S+)[.!?] ", joined):
+        word = match.group(1)
+        if len(word) > 2 and "." not in word:
+            return joined[:match.end() - 1]
+    return joined
+
+
 def _describe(path: Path) -> str:
-    """The first comment line of an option YAML that is not the ``@package`` directive."""
+    """The first sentence of an option YAML's leading comment (its lines joined, the ``@package`` directive
+    skipped)."""
+    comment = []
     for line in path.read_text().splitlines():
         if line.startswith("#") and "@package" not in line:
-            return line.lstrip("# ").strip()
-    return ""
+            comment.append(line.lstrip("#").strip())
+        elif comment:
+            break
+    return first_sentence(" ".join(comment))
 
 
 def _defaults(conf: Path) -> dict[str, str]:
@@ -52,7 +68,7 @@ def render_help(root: Path) -> str:
         lines += [f"  {p.stem:45s} {_describe(p)}" for p in sorted((root / kind).glob("*.yaml"))]
     lines += ["", "most used keys (key=value; every key is documented in slime_hydra/<group>/config.py):"]
     for key in MOST_USED:
-        lines.append(f"  {key:30s} {field_doc(SlimeConfig, key).splitlines()[0]}")
+        lines.append(f"  {key:30s} {first_sentence(field_doc(SlimeConfig, key))}")
     lines += ["", "exit codes: 0 finished | "
               f"{ConfigError.exit_code} config error (every problem named, nothing started) | "
               f"{preempt.EXIT_CODE} preempted: a checkpoint was written, run the same command again to resume | "

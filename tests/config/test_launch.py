@@ -165,3 +165,22 @@ def test_the_layout_spreads_cpu_processes_round_robin_and_fills_gpu_nodes_in_ord
     assert bundle_nodes(cfg, d) == [0] * 8 + [1] * 8 + [2] * 8
     roles = node_roles(cfg, d)
     assert roles[1] == [f"train rank {r}" for r in range(8, 16)] and roles[2] == [f"engine {e}" for e in range(4)]
+
+
+def test_help_describes_each_option_by_its_whole_first_sentence():
+    """YAML comments and docstrings wrap mid-sentence: --help joins the lines and stops at the first sentence end, not
+    at an abbreviation's dot."""
+    from slime_hydra.config import PROJECT_ROOT
+    from slime_hydra.launch.help import first_sentence, render_help
+
+    assert first_sentence("Dr. GRPO (a, b): no std\n  normalisation, e.g. here. More text.") == (
+        "Dr. GRPO (a, b): no std normalisation, e.g. here.")
+    assert first_sentence("no end at all") == "no end at all"
+    help_lines = render_help(PROJECT_ROOT).splitlines()
+
+    def described(option: str) -> str:
+        return next(line for line in help_lines if f" {option} " in line)
+
+    assert "Dr. GRPO (Understanding R1-Zero-Like Training): no std normalisation, and token sums divided by a constant" \
+        in described("dr_grpo")
+    assert described("tiny_moe").endswith("built offline and cached like tiny.")  # three comment lines, joined
