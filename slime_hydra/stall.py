@@ -8,12 +8,13 @@ Progress is a step that finished (``beat``) or a generation or reward that finis
 asks every ``POLL_S`` seconds; after ``after_s`` seconds without progress it
 
 1. writes ``<run_dir>/stall/<UTC time>/stacks.txt``: the Python stacks of the driver (``faulthandler``, every
-   thread) and of each Python process below it on this node, the Ray workers (trainer ranks, the rollout manager,
-   the engine actors: Ray titles them ``ray::<Class>.<method running>``) and the engine servers, by ``py-spy dump``
-   (installed with Ray; it reads a live process's stacks without stopping it). Ray's daemons, its agents and the
-   router (Rust) are left out; processes on other nodes are not reached (run ``py-spy dump --pid`` there), nor,
-   in a joined cluster (RAY_ADDRESS: a SLURM job), the Ray workers of this node, which are the node's children,
-   not the driver's;
+   thread) and of the run's other Python processes on this node, by ``py-spy dump`` (installed with Ray; it reads
+   a live process's stacks without stopping it): the Ray workers of the run's live actors (trainer ranks, the
+   rollout manager, the engine actors: Ray titles them ``ray::<Class>.<method running>``) and the engine servers
+   they started. On a node of the run's own they are below the driver; on a cluster the driver joined (RAY_ADDRESS:
+   a SLURM job) they are the node's children, found through Ray's actor table (this job's actors on this node).
+   Ray's daemons, its agents and the router (Rust) are left out; processes on other nodes are not reached (run
+   ``py-spy dump --pid`` there);
 2. writes ``report.txt`` and prints it: the driver's step and phase and the process that phase waits on (``where()``,
    e.g. "step 3, phase rollout: waiting for RolloutManager.generate_batch"), then what the rollout manager says it
    waits on (generations and reward calls in flight and for how long, engines out of service), or that it did not
@@ -168,7 +169,7 @@ def dump_stacks(path: Path) -> int:
         f.flush()
         faulthandler.dump_traceback(file=f, all_threads=True)
         count = 1
-        for proc in psutil.Process().children(recursive=True):
+        for proc in run_processes():
             try:
                 title = " ".join(proc.cmdline()).strip()
             except psutil.Error:
@@ -184,6 +185,40 @@ def dump_stacks(path: Path) -> int:
             f.write(f"\n===== pid {proc.pid}: {title[:160]}\n{stacks}")
             count += 1
     return count
+
+
+def run_processes() -> list[psutil.Process]:
+    """The processes below the driver, then the Ray workers of this job's live actors on this node and the processes
+    below them (none twice)."""
+    seen, out = {os.getpid()}, []
+    roots = [psutil.Process()]
+    for pid in _actor_pids_here():
+        try:
+            roots.append(psutil.Process(pid))
+        except psutil.Error:  # ended since the table was read
+            continue
+    for root in roots:
+        for proc in ([root] if root.pid != os.getpid() else []) + root.children(recursive=True):
+            if proc.pid not in seen:
+                seen.add(proc.pid)
+                out.append(proc)
+    return out
+
+
+def _actor_pids_here() -> list[int]:
+    """Worker pids of this Ray job's live actors on this node, from the GCS actor table; [] without Ray. Read with
+    ``ray._private.state.actors``: Ray's public state API (``ray.util.state``) is served by the dashboard, which
+    the run's clusters do not start (cluster/local_ray.py, cluster/ray_cluster.py)."""
+    import ray
+
+    if not ray.is_initialized():
+        return []
+    from ray._private import state
+
+    context = ray.get_runtime_context()
+    job, node = context.get_job_id(), context.get_node_id()
+    return [info["Pid"] for info in state.actors(actor_state_name="ALIVE").values()
+            if info["JobID"] == job and info["Address"]["NodeID"] == node and info["Pid"]]
 
 
 def _is_runs_python(title: str) -> bool:

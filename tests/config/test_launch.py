@@ -57,29 +57,24 @@ def test_invalid_config_exits_2_listing_every_problem(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_real_run_without_ray_variables_in_the_environment(tmp_path):
-    """The README's `python launch.py` from a plain shell: without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 exported, Ray
-    (which reads it at import) rewrote the driver's 127.0.0.1 address to the machine's external one and the run
-    waited forever; launch.py now sets it before ray is imported."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
-    env["SLIME_HYDRA_CACHE"] = str(tmp_path / "cache")
-    out = subprocess.run([sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r",
-                          *FAST], capture_output=True, text=True, timeout=120, env=env)
+def test_real_run_from_a_plain_shell_is_quiet_and_writes_provenance(tmp_path, model_cache):
+    """The README's `python launch.py` from a plain shell, on a Ray node of its own (one tiny step: the loop itself is
+    tested in tests/loop). Without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 exported, Ray (which reads it at import)
+    rewrote the driver's 127.0.0.1 address to the machine's external one and the run waited forever; launch.py now
+    sets it before ray is imported. Quiet, the run prints one line before it starts instead of the plan, which
+    plan.txt keeps, and neither Ray's INFO lines nor transformers' progress bars; its provenance is on disk."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_ADDRESS")}
+    env["SLIME_HYDRA_CACHE"] = model_cache
+    out = subprocess.run([sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r1",
+                          "train.lr=3e-5", "tracking.quiet=true", *FAST], capture_output=True, text=True,
+                         timeout=120, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "Connecting to existing Ray cluster" not in out.stdout + out.stderr  # Ray's own INFO lines stay quiet
-    assert json.loads((tmp_path / "r" / "run.json").read_text())["outcome"] == "done"
-
-
-def test_real_run_writes_provenance(tmp_path, monkeypatch, joined_ray):
-    """A real run (one tiny step, on the shared Ray node: the loop itself is tested in tests/loop) leaves its
-    provenance. Quiet, it prints one line before the run instead of the plan, which plan.txt keeps."""
-    monkeypatch.setenv("SLIME_HYDRA_CACHE", str(tmp_path / "cache"))
-    out = launch(f"output_dir={tmp_path}", "run_name=r1", "train.lr=3e-5", "tracking.quiet=true", *FAST)
-    assert out.returncode == 0, out.stderr
     run = tmp_path / "r1"
+    assert json.loads((run / "run.json").read_text())["outcome"] == "done"
     assert f"run directory: {run} (the config in resolved.yaml, the plan in plan.txt)" in out.stdout
     assert "Derived values" not in out.stdout and "Memory plan" not in out.stdout
-    assert "Connecting to existing Ray cluster" not in out.stdout + out.stderr
+    assert "Connecting to existing Ray cluster" not in out.stdout + out.stderr  # Ray's own INFO lines stay quiet
     printed = out.stdout + out.stderr + (run / "logs" / "engine_0.log").read_text()
     assert "Loading weights" not in printed and "Writing model shards" not in printed  # transformers' bars
     plan = (run / "plan.txt").read_text()

@@ -32,45 +32,46 @@ def _latest(run: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted run that saves after every step in the background: its run directory."""
-    out_dir = tmp_path_factory.mktemp("reference")
-    out = subprocess.run(_command(out_dir, "save_every_steps=1"), capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return out_dir / "r"
-
-
-def test_saves_after_every_step_in_the_background_and_a_killed_run_resumes_exactly(reference, tmp_path):
-    rows = train_rows(reference)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert prompts_per_step(reference, STEPS) == source_prompts(STEPS, *SMALL)  # the data source's order, from the top
-    # the write started after step k is seen finished at the next step's boundary (the last one waits for it)
-    assert "perf/checkpoint_write_time" not in rows[0]
-    assert all(r["perf/checkpoint_write_time"] > 0 and r["perf/checkpoint_time"] > 0 for r in rows[1:])
-    assert _latest(reference) == "step_000006"
-    assert sorted(p.name for p in (reference / "checkpoints").glob("step_*")) == [
-        "step_000004", "step_000005", "step_000006"]  # keep_checkpoints=3
-    # kill -9 at a moment of step 4 (a background write may be in flight), then the same command again
-    command = _command(tmp_path, "save_every_steps=1")
-    run = tmp_path / "r"
+def resumed(tmp_path_factory) -> tuple[Path, int]:
+    """A run that saves after every step in the background, SIGKILLed (its process group) at a moment of step 4,
+    when a background write may be in flight, then run again to its end: its run directory and the step its
+    checkpoint was from."""
+    out_dir = tmp_path_factory.mktemp("resumed")
+    command, run = _command(out_dir, "save_every_steps=1"), out_dir / "r"
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
-    while not [r for r in train_rows(run) if r["step"] >= 3]:
+    while not (rows := [r for r in train_rows(run) if r["step"] >= 3]):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 3"
         time.sleep(0.05)
-    time.sleep(0.5 * rows[3]["perf/step_time"])
+    time.sleep(0.5 * rows[0]["perf/step_time"])
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert _latest(run) in ("step_000002", "step_000003", "step_000004")  # step 2's was complete before row 3
     out = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "resumed from" in out.stdout
-    assert [r["step"] for r in train_rows(run)] == list(range(1, STEPS + 1))
-    assert prompts_per_step(run, STEPS) == prompts_per_step(reference, STEPS)
+    return run, int(out.stdout.split(" after step ", 1)[1].split()[0])  # "resumed from <checkpoint> after step k"
+
+
+def test_saves_after_every_step_in_the_background_and_a_killed_run_resumes_exactly(resumed):
+    run, after = resumed
+    assert 2 <= after <= 4
+    rows = train_rows(run)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert prompts_per_step(run, STEPS) == source_prompts(STEPS, *SMALL)  # the data source's order, from the top
+    # the write started after step k is seen finished at the next step's boundary (the last one waits for it); the
+    # first step of each launch has none to see
+    for r in rows:
+        if r["step"] in (1, after + 1):
+            assert "perf/checkpoint_write_time" not in r
+        else:
+            assert r["perf/checkpoint_write_time"] > 0 and r["perf/checkpoint_time"] > 0
+    assert _latest(run) == "step_000006"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [
+        "step_000004", "step_000005", "step_000006"]  # keep_checkpoints=3
 
 
 @pytest.mark.own_ray_node  # HOLD_ENV reaches the trainer rank through the environment of the run's own node
-def test_a_run_killed_while_a_write_is_held_resumes_from_the_previous_complete_checkpoint(reference, tmp_path):
+def test_a_run_killed_while_a_write_is_held_resumes_from_the_previous_complete_checkpoint(tmp_path):
     """The write of checkpoint 4's trainer files is held (the writer waits on a file, HOLD_ENV): the run trains step
     4 meanwhile and then waits at its last save; killed there, ``latest`` still names checkpoint 2, checkpoint 4's
     folder has the loop's files but not the trainer's, and the rerun resumes from checkpoint 2."""
@@ -99,15 +100,16 @@ def test_a_run_killed_while_a_write_is_held_resumes_from_the_previous_complete_c
     assert out.returncode == 0, out.stderr[-4000:]
     assert "step_000002 after step 2" in out.stdout  # "resumed from <run>/checkpoints/step_000002 after step 2"
     assert [r["step"] for r in train_rows(run)] == list(range(1, STEPS + 1))
-    assert prompts_per_step(run, STEPS) == prompts_per_step(reference, STEPS)
+    assert prompts_per_step(run, STEPS) == source_prompts(STEPS, *SMALL)
     assert _latest(run) == "step_000006" and (held / "actor" / "trainer.json").exists()
 
 
-def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(reference, tmp_path):
-    """A copy of the reference run with its newest checkpoint's trainer shard cut in half: the same command resumes
-    from the one before, says why, sets the damaged one aside and trains on exactly as the uninterrupted run did."""
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(resumed, tmp_path):
+    """A copy of the resumed run (above) with its newest checkpoint's trainer shard cut in half: the same command
+    resumes from the one before, says why, sets the damaged one aside and trains on exactly as an uninterrupted run
+    does."""
     run = tmp_path / "r"
-    shutil.copytree(reference, run)
+    shutil.copytree(resumed[0], run)
     shard = run / "checkpoints" / "step_000006" / "actor" / "dcp" / "__0_0.distcp"
     size = shard.stat().st_size
     os.truncate(shard, size // 2)
@@ -117,6 +119,6 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(re
             f"{size // 2} bytes, manifest says {size})") in out.stdout
     assert "step_000005 after step 5" in out.stdout  # "resumed from <run>/checkpoints/step_000005 after step 5"
     assert [r["step"] for r in train_rows(run)] == list(range(1, STEPS + 1))
-    assert prompts_per_step(run, STEPS) == prompts_per_step(reference, STEPS)
+    assert prompts_per_step(run, STEPS) == source_prompts(STEPS, *SMALL)
     assert _latest(run) == "step_000006" and shard.stat().st_size == size  # written again, whole
     assert [p.name.split("-")[0] for p in (run / "checkpoints" / "partial").iterdir()] == ["step_000006"]

@@ -54,7 +54,7 @@ def prompts_per_step(run: Path, steps: int, samples: int = 16) -> list[list[str]
 def source_prompts(steps: int, *overrides: str) -> list[list[str]]:
     """The prompts an uninterrupted run of ``overrides`` trains on at each of its first ``steps`` steps, without
     running it: its config's training prompts handed out by a fresh PromptSource, as the rollout manager builds it
-    (rollout/manager.py); a run's rollouts match them (the background-checkpoint test's reference run)."""
+    (rollout/manager.py). An uninterrupted run's rollouts match them: the first test below checks it."""
     from slime_hydra.data.dataset import load_prompts
     from slime_hydra.data.source import PromptSource
     from slime_hydra.model.hf import load_tokenizer
@@ -99,6 +99,7 @@ def test_default_loop_runs_syncs_checkpoints_and_exports(tmp_path):
     assert first["train/ppo_kl"] == 0 and first["train/pg_clipfrac"] == 0
     assert first["train/kl_loss"] == pytest.approx(0, abs=1e-7)          # the policy is the reference at step 1
     assert rows[2]["train/kl_loss"] > 0                                   # ...and moves away from it
+    assert prompts_per_step(run, 3) == source_prompts(3, *SHAPE)          # the data source's order, from the top
     assert all(r["rollout/tokens"] > 0 and r["sync/bytes"] > 0 for r in rows)
     assert all(r["rollout/weight_version_lag"] == 0 for r in rows)        # sync mode: always the newest weights
     # orchestration overhead: the step time outside the measured phases
@@ -129,25 +130,36 @@ def test_default_loop_runs_syncs_checkpoints_and_exports(tmp_path):
     assert tokens >= 16 and gap < 1e-5
 
 
-def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):
-    """kill -9 mid-run, then the same command again: resume=auto continues from the newest checkpoint, on the
-    learning-rate schedule of the uninterrupted run. Written in the foreground here (checkpoint_in_background=false);
-    test_checkpoint_in_background.py kills background writes. Then the finished run is extended: a longer num_steps
-    is refused before anything starts, and allowed (resume_allow_changes) the rate jumps to the new schedule's."""
+@pytest.mark.own_ray_node
+def test_a_preempted_run_resumes_exactly_and_a_finished_one_extends_on_the_new_schedule(tmp_path, shared_ray_node):
+    """SIGTERM to the process group mid-run, as timeout(1), a service manager or SLURM signal a job: on a Ray node
+    of its own, which runs in a session of its own (cluster/local_ray.py) and so survives until the driver has
+    checkpointed, the run saves, exits 75 and records ``preempted``. The same command again (on the shared node)
+    resumes from that checkpoint (resume=auto) on the learning-rate schedule of the uninterrupted run: every step
+    once, on distinct prompts. Checkpoints are written in the foreground here (checkpoint_in_background=false);
+    SIGKILLed runs resume in test_checkpoint_in_background.py and test_chaos.py. Then the finished run is extended:
+    a longer num_steps is refused before anything starts, and allowed (resume_allow_changes) the rate jumps to the
+    new schedule's."""
     args = [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r", "num_steps=6",
             "save_every_steps=2", "debug.save_rollouts=true", "checkpoint_in_background=false", *SMALL]
     run = tmp_path / "r"
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
     deadline = time.monotonic() + 240
-    while not [r for r in train_rows(run) if r["step"] >= 4]:
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 4"
+    while not [r for r in train_rows(run) if r["step"] >= 2]:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 2"
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert (run / "checkpoints" / "latest").read_text().strip() in ("step_000002", "step_000004")
-    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    os.killpg(proc.pid, signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == preempt.EXIT_CODE == 75 and "preempted" in stdout
+    assert json.loads((run / "run.json").read_text())["outcome"] == "preempted"
+    saved = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert 2 <= saved < 6 and [r["step"] for r in train_rows(run)] == list(range(1, saved + 1))
+
+    joined = {**os.environ, "RAY_ADDRESS": shared_ray_node.address}
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300, env=joined)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "resumed from" in out.stdout
+    assert f"step_{saved:06d} after step {saved}" in out.stdout  # "resumed from <run>/checkpoints/step_k after step k"
     assert [r["step"] for r in train_rows(run)] == [1, 2, 3, 4, 5, 6]
     # the data cursor: the 6 steps trained on 6 x 4 distinct prompts, none twice
     prompts = []
@@ -158,14 +170,15 @@ def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):
         prompts += groups.values()
     assert len(set(prompts)) == 24
     # tiny's schedule: 2e-4 decaying linearly to 2e-5 over the 6 steps (one optimizer step each), logged as train/lr
-    # by the killed run up to its checkpoint and by the resumed one after it, as an uninterrupted run logs it
+    # by the preempted run up to its checkpoint and by the resumed one after it, as an uninterrupted run logs it
     assert [r["train/lr"] for r in train_rows(run)] == pytest.approx([2e-4, 1.7e-4, 1.4e-4, 1.1e-4, 8e-5, 5e-5],
                                                                      rel=1e-9)
 
     longer = [a for a in args if a != "num_steps=6"] + ["num_steps=8", "train.lr=1e-4"]
-    refused = subprocess.run(longer, capture_output=True, text=True, timeout=120)
+    refused = subprocess.run(longer, capture_output=True, text=True, timeout=120, env=joined)
     assert refused.returncode == 2 and "  train.lr: 0.0002 -> 0.0001\n  num_steps: 6 -> 8\n" in refused.stderr
-    out = subprocess.run([*longer, "resume_allow_changes=true"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([*longer, "resume_allow_changes=true"], capture_output=True, text=True, timeout=300,
+                         env=joined)
     assert out.returncode == 0, out.stderr[-4000:]
     # after 6 optimizer steps of 6 the rate was 2e-5; of 8 at a 1e-4 peak, steps 7 and 8 run at 2e-5 + 8e-5 x 2/8
     # and 2e-5 + 8e-5 x 1/8
@@ -177,30 +190,6 @@ def test_kill_and_resume_neither_repeats_nor_skips_a_step(tmp_path):
     launches = sorted((run / "launches").iterdir())
     assert [yaml.safe_load((p / "resolved.yaml").read_text())["num_steps"] for p in launches] == [6, 6, 8]
     assert (run / "resolved.yaml").read_text() == (launches[-1] / "resolved.yaml").read_text()
-
-
-@pytest.mark.own_ray_node
-def test_sigterm_to_the_process_group_checkpoints_and_the_rerun_continues(tmp_path):
-    args = [sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r", "num_steps=8",
-            *SMALL]
-    run = tmp_path / "r"
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not train_rows(run):
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.2)
-    # to the whole process group, as timeout(1), a service manager or SLURM signal a job: Ray's node runs in a
-    # session of its own (cluster/local_ray.py), so it survives until the driver has checkpointed
-    os.killpg(proc.pid, signal.SIGTERM)
-    stdout, _ = proc.communicate(timeout=60)
-    assert proc.returncode == preempt.EXIT_CODE == 75 and "preempted" in stdout
-    assert json.loads((run / "run.json").read_text())["outcome"] == "preempted"
-    saved = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-    assert 1 <= saved < 8 and [r["step"] for r in train_rows(run)] == list(range(1, saved + 1))
-    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert [r["step"] for r in train_rows(run)] == list(range(1, 9))
 
 
 def test_async_mode_overlaps_and_bounds_staleness(tmp_path):
