@@ -30,14 +30,19 @@ def slow_reward(response, label, metadata):
     return 1.0
 
 
-def test_failed_samples_drop_their_group_and_are_counted(tmp_path):
-    cfg = manager_config(tmp_path, *SHAPE, f"rollout.generate={__name__}.fails_on_group_0")
+def test_failed_samples_drop_their_group_are_counted_and_count_as_wrong_in_an_eval(tmp_path):
+    cfg = manager_config(tmp_path, *SHAPE, f"rollout.generate={__name__}.fails_on_group_0",
+                         "data.eval=[{name: addition, n_samples_per_prompt: 2, max_prompts: 3}]")
     manager, _, _ = start_manager(cfg, tmp_path / "r", num_engines=1)
     try:
         batch = ray.get(manager.generate_batch.remote(), timeout=180)
         assert len(batch["samples"]) == 4 and {s["group_index"] for s in batch["samples"]} == {1, 2}
         assert batch["metrics"]["rollout/failed_samples"] == 2 and batch["metrics"]["rollout/buffer/failed"] == 1
         assert ray.get(manager.generate_batch.remote(), timeout=180)["metrics"]["rollout/failed_samples"] == 0
+        # the eval goes on: the two samples of its prompt 0 count as wrong
+        metrics = ray.get(manager.evaluate.remote(), timeout=180)
+        assert metrics["eval/addition/failed_samples"] == 2
+        assert 0 <= metrics["eval/addition/accuracy"] <= 4 / 6 and metrics["eval/addition/pass@2"] <= 2 / 3
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
 
@@ -51,18 +56,6 @@ def test_a_round_where_every_group_fails_stops_with_the_error(tmp_path):
         message = str(raised.value)
         assert "RolloutFailure" in message and "every one of the 2 groups" in message
         assert "RuntimeError: the verifier sandbox is down" in message
-    finally:
-        ray.get(manager.shutdown.remote(), timeout=60)
-
-
-def test_failed_eval_samples_count_as_wrong_and_the_eval_goes_on(tmp_path):
-    cfg = manager_config(tmp_path, *SHAPE, f"rollout.generate={__name__}.fails_on_group_0",
-                         "data.eval=[{name: addition, n_samples_per_prompt: 2, max_prompts: 3}]")
-    manager, _, _ = start_manager(cfg, tmp_path / "r", num_engines=1)
-    try:
-        metrics = ray.get(manager.evaluate.remote(), timeout=180)
-        assert metrics["eval/addition/failed_samples"] == 2  # the two samples of prompt 0
-        assert 0 <= metrics["eval/addition/accuracy"] <= 4 / 6 and metrics["eval/addition/pass@2"] <= 2 / 3
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
 
