@@ -222,7 +222,7 @@ class Session:
         servers: seconds each), except colocated on GPUs, where the engines start once the trainer holds its memory."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-        from slime_hydra.rollout.engines.actor import EngineActor, engine_gpu_ids
+        from slime_hydra.rollout.engines.actor import EngineSpec, engine_gpu_ids
         from slime_hydra.rollout.manager import RolloutManager
         from slime_hydra.train.lora import adapter_config
 
@@ -234,18 +234,17 @@ class Session:
         tp = cfg.rollout.gpus_per_engine
         gpu_ids = engine_gpu_ids(self.pg, first, d.num_engines, tp) if self.on_gpu else [None] * d.num_engines
         lora = adapter_config(cfg.train.lora) if d.lora_sync == "adapter" else None
-        engines = []
-        for i in range(d.num_engines):
-            gpus = (0.5 if cfg.cluster.colocate else 1.0) if self.on_gpu else 0.0
-            place = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=first + i * tp)
-            actor = ray.remote(EngineActor).options(num_cpus=0, num_gpus=gpus, scheduling_strategy=place)
-            engines.append(actor.remote(i, str(self.model_path), str(self.run_dir / "logs"), dtype=d.engine_dtype,
-                                        max_batch_size=cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt,
-                                        torch_threads=self.cpu_threads, sglang=sglang, gpu_ids=gpu_ids[i],
-                                        lora=lora, return_routed_experts=cfg.algo.routing_replay))
+        spec = EngineSpec(dict(model_path=str(self.model_path), log_dir=str(self.run_dir / "logs"),
+                               dtype=d.engine_dtype, torch_threads=self.cpu_threads, sglang=sglang, lora=lora,
+                               max_batch_size=cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt,
+                               return_routed_experts=cfg.algo.routing_replay))
+        gpus = (0.5 if cfg.cluster.colocate else 1.0) if self.on_gpu else 0.0
+        engines = [spec.make(i, gpus, PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=first
+                                                                       + i * tp), gpu_ids[i])
+                   for i in range(d.num_engines)]
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # router too
         self.manager = ray.remote(RolloutManager).options(num_cpus=0, scheduling_strategy=here).remote(
-            cfg, str(self.model_path), str(self.run_dir), engines)
+            cfg, str(self.model_path), str(self.run_dir), engines, spec)
         return self.manager.start.remote()
 
     # ---- the loop ------------------------------------------------------------------------------------------------

@@ -21,6 +21,13 @@ stops naming it.
 
 Syncs and replays exclude each other through ``weights_lock``: a restart replays only while no sync is running,
 so a restarted engine always ends on the newest version.
+
+Elastic. ``add`` starts one more engine while the run goes on: it gets the newest weights as a restarted engine
+does (replay, or out of the router until the next sync, which forms a new broadcast group with it) and then takes
+traffic. ``remove`` drains one: it leaves the router at once (no new request reaches it), the requests it holds
+finish there (up to ``drain_timeout_s``; any left then fail and are retried through the router on the others,
+as after a crash), and its server stops. A removed engine keeps its index (indices name log files and
+metrics) and stays out of service for good; the last engine in service cannot be removed.
 """
 
 import asyncio
@@ -39,6 +46,10 @@ REGISTER_TIMEOUT_S = 120.0
 """Seconds the router may take to list a (re-)registered engine healthy."""
 AWAIT_POLL_S = 0.1
 """How often a request waiting for an engine looks again while restarted engines wait for weights."""
+DRAIN_POLL_S = 0.1
+"""How often a draining engine's load is read."""
+REMOVED = "removed"
+"""The cause of a removed engine (``down``)."""
 
 
 class EnginePool:
@@ -54,6 +65,8 @@ class EnginePool:
         self.clients: list[SGLangClient] = []
         self.down: dict[int, str] = {}
         """Engines out of service (index -> why), from the moment a check finds them dead until they are back."""
+        self.removed: set[int] = set()
+        """Engines taken out for good (``remove``); they are in ``down`` too."""
         self.awaiting_weights: set[int] = set()
         """Restarted engines that wait for the next sync (the newest weights could not be replayed)."""
         self.group_stale = False
@@ -256,6 +269,61 @@ class EnginePool:
             await self._register(i)
             print(f"rollout: engine {i} ({self.urls[i]}) is back (a weight sync reached it)", flush=True)
 
+    # ---- elastic: engines added and removed while the run goes on -----------------------------------------------
+    async def add(self, actor) -> int:
+        """Start one more engine (an EngineActor handle, placed), give it the newest weights, put it in the router
+        (or keep it out until the next sync, as a restarted engine); returns its index."""
+        url = await actor.start.remote(self.api_key)
+        i = len(self.engines)
+        self.engines.append(actor)
+        self.urls.append(url)
+        self.clients.append(SGLangClient(url, api_key=self.api_key))
+        self.down[i] = "joining"  # no request or sync reaches it until it has the newest weights
+        self.group_stale = True  # a broadcast group is formed again with it
+        async with self.weights_lock:
+            if self.replay is not None and not await self.replay(i):
+                self.awaiting_weights.add(i)
+                self.down[i] = "joined; waits for the next weight sync"
+                print(f"rollout: engine {i} ({url}) joined; it takes traffic after the next weight sync", flush=True)
+                return i
+            await self._register(i)
+        print(f"rollout: engine {i} ({url}) joined and takes traffic", flush=True)
+        return i
+
+    async def remove(self, i: int, drain_timeout_s: float = 60.0) -> int:
+        """Drain engine i and stop it (see the module docstring); returns the requests it still held when the drain
+        timed out (they are retried on the other engines)."""
+        if not 0 <= i < len(self.engines) or i in self.removed:
+            raise ValueError(f"no engine {i} in service to remove (engines: {self.down_report()})")
+        if not [j for j in range(len(self.engines)) if j not in self.down and j != i]:
+            raise ValueError(f"engine {i} is the last engine in service: add one before removing it")
+        restart = self._restarts.get(i)
+        if restart is not None and not restart.done():
+            restart.cancel()
+        self.removed.add(i)
+        self.down[i] = REMOVED
+        self.awaiting_weights.discard(i)
+        self.group_stale = True
+        url = self.urls[i]
+        try:
+            await asyncio.to_thread(self.router.remove_worker, url)
+        except RouterError as error:  # not listed (it was out of service): nothing to take out
+            print(f"rollout: removing engine {i} from the router: {error}", flush=True)
+        loop = asyncio.get_running_loop()
+        deadline, held = loop.time() + drain_timeout_s, 0
+        while True:
+            try:
+                held = sum(load["num_reqs"] for load in await self.clients[i].get_load())
+            except EngineError:  # already gone: nothing to drain
+                held = 0
+            if held == 0 or loop.time() >= deadline:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        await self.engines[i].stop.remote()
+        print(f"rollout: engine {i} ({url}) removed" + (f"; {held} requests it held are retried" if held else ""),
+              flush=True)
+        return held
+
     def needs_weights(self) -> bool:
         """Every engine is out of service and at least one restarted engine waits for weights that only the trainer
         can send (broadcast / CUDA IPC syncs): generation cannot go on until the loop has them sent again."""
@@ -285,13 +353,14 @@ class EnginePool:
         """Which engines are out of service and why (for error messages)."""
         if self.failed is not None:
             return f"the health checks stopped: {type(self.failed).__name__}: {self.failed}"
-        if not self.down:
+        out = {i: cause for i, cause in self.down.items() if i not in self.removed}
+        if not out:
             return "every engine passed its last health check"
-        return "; ".join(f"engine {i} ({self.urls[i]}): {cause}" for i, cause in sorted(self.down.items()))
+        return "; ".join(f"engine {i} ({self.urls[i]}): {cause}" for i, cause in sorted(out.items()))
 
     async def status(self) -> list[dict]:
-        """Per engine: index, url, up (in service), cause (why it is down, else None), in_router and
-        router_healthy (as the router lists it)."""
+        """Per engine: index, url, up (in service), cause (why it is down, else None; ``REMOVED`` for a removed
+        one), in_router and router_healthy (as the router lists it)."""
         workers = {w.get("url"): w for w in await asyncio.to_thread(self.router.workers)}
         return [{"index": i, "url": url, "up": i not in self.down, "cause": self.down.get(i),
                  "in_router": url in workers, "router_healthy": bool(workers.get(url, {}).get("is_healthy"))}

@@ -105,9 +105,11 @@ class EvalSet:
 
 
 class RolloutManager:
-    def __init__(self, cfg, model_path: str, run_dir: str, engines: list):
-        """cfg: the whole config (the slices the module docstring names); engines: EngineActor handles (placed)."""
+    def __init__(self, cfg, model_path: str, run_dir: str, engines: list, engine_spec=None):
+        """cfg: the whole config (the slices the module docstring names); engines: EngineActor handles (placed);
+        engine_spec: how they were made (engines/actor.EngineSpec), for engines added while the run goes on."""
         self.cfg, self.rollout = cfg, cfg.rollout
+        self.engine_spec = engine_spec
         self.run_dir = Path(run_dir)
         self.tokenizer = load_tokenizer(model_path)
         self.adaptive = cfg.data.adaptive.enabled
@@ -393,6 +395,27 @@ class RolloutManager:
         if todo:
             await self.pool.on_engines("resume_memory_occupation", todo)
             self.released -= set(todo)
+
+    # ---- elastic engines -----------------------------------------------------------------------------------------
+    async def add_engine(self) -> dict:
+        """One more engine while the run goes on (EnginePool.add), wherever Ray finds its resources free (on GPUs:
+        rollout.gpus_per_engine GPUs of one node, e.g. a node that joined). Returns its ``engine_status`` row."""
+        if self.engine_spec is None:
+            raise RuntimeError("this rollout manager was made without an engine spec: it cannot add engines")
+        if self.cfg.cluster.colocate:
+            raise ValueError("cluster.colocate=true: the engines share the trainer's GPUs, so none can be added")
+        gpus = self.rollout.gpus_per_engine if self.cfg.cluster.gpus_per_node > 0 else 0
+        i = await self.pool.add(self.engine_spec.make(len(self.pool.engines), gpus))
+        return (await self.pool.status())[i]
+
+    async def remove_engine(self, index: int, drain_timeout_s: float = 60.0) -> dict:
+        """Drain engine ``index`` and stop it (EnginePool.remove). Returns its ``engine_status`` row and
+        ``retried``: the requests it still held after ``drain_timeout_s`` (retried on the other engines)."""
+        held = await self.pool.remove(index, drain_timeout_s)
+        return dict((await self.pool.status())[index], retried=held)
+
+    async def engine_status(self) -> list[dict]:
+        return await self.pool.status()
 
     # ---- checkpoint, shutdown ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

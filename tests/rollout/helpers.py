@@ -1,11 +1,14 @@
 """Tiny random Qwen2 checkpoints and reference computations (plain HF forward passes) for the rollout tests."""
 
+import asyncio
 import sys
+import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.manager import RolloutManager
 
 VOCAB = 64
@@ -118,9 +121,6 @@ class InspectedManager(RolloutManager):
     async def check_engines(self) -> list[int]:
         return await self.pool.check()
 
-    async def engine_status(self) -> list[dict]:
-        return await self.pool.status()
-
     async def wait_engines_settled(self, timeout_s: float = 300.0) -> None:
         await self.pool.settled(timeout_s)
 
@@ -131,12 +131,33 @@ def start_manager(cfg, run_dir: Path, num_engines: int = 2, lora: dict | None = 
     import ray
 
     from slime_hydra.model.warm_start import resolve_model_path
-    from slime_hydra.rollout.engines.actor import EngineActor
+    from slime_hydra.rollout.engines.actor import EngineSpec
 
     model_path = str(resolve_model_path(cfg.model, cfg.data, cfg.seed))
-    engines = [ray.remote(EngineActor).options(num_cpus=0).remote(
-        i, model_path, str(run_dir / "logs"), dtype="float32", max_batch_size=256, torch_threads=1, lora=lora)
-        for i in range(num_engines)]
-    manager = ray.remote(InspectedManager).options(num_cpus=0).remote(cfg, model_path, str(run_dir), engines)
+    spec = EngineSpec(dict(model_path=model_path, log_dir=str(run_dir / "logs"), dtype="float32", max_batch_size=256,
+                           torch_threads=1, lora=lora))
+    engines = [spec.make(i, 0) for i in range(num_engines)]
+    manager = ray.remote(InspectedManager).options(num_cpus=0).remote(cfg, model_path, str(run_dir), engines, spec)
     urls = ray.get(manager.start.remote(), timeout=300)
     return manager, engines, urls
+
+
+async def engine_info(urls: list[str], api_key: str, lora_path: str | None = None) -> list[dict]:
+    """Per engine: tokens generated since start, 12 greedy tokens after [5, 6, 7, 8], and the weight version."""
+    async def one(url):
+        async with SGLangClient(url, api_key=api_key) as c:
+            c.lora_path = lora_path
+            info = await c.server_info()
+            greedy = await c.generate([5, 6, 7, 8], {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+            return {"tokens": info["internal_states"][0]["generated_tokens"], "greedy": greedy["output_ids"],
+                    "version": info["weight_version"]}
+    return list(await asyncio.gather(*[one(u) for u in urls]))
+
+
+async def wait_running(url: str, api_key: str, timeout_s: float = 60.0) -> None:
+    """Until the engine at ``url`` holds a request."""
+    deadline = time.monotonic() + timeout_s
+    async with SGLangClient(url, api_key=api_key) as c:
+        while (await c.get_load())[0]["num_reqs"] == 0:
+            assert time.monotonic() < deadline, f"no request reached {url} within {timeout_s} s"
+            await asyncio.sleep(0.01)

@@ -28,36 +28,14 @@ import ray
 
 from slime_hydra.model.warm_start import resolve_model_path
 from slime_hydra.rollout.auth import read_api_key
-from slime_hydra.rollout.client import SGLangClient
 from slime_hydra.rollout.engines.embedded.server import read_checkpoint
 from slime_hydra.weight_transport import dtype_name
-from tests.rollout.helpers import manager_config, start_manager
+from tests.rollout.helpers import engine_info, manager_config, start_manager, wait_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_driver")]  # the shared Ray node
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = ("rollout.batch_prompts=8", "rollout.n_samples_per_prompt=4", "rollout.max_response_tokens=128",
          "rollout.health_check_interval_s=0.5")
-
-
-
-
-async def _engine_info(urls: list[str], api_key: str, lora_path: str | None = None) -> list[dict]:
-    async def one(url):
-        async with SGLangClient(url, api_key=api_key) as c:
-            c.lora_path = lora_path
-            info = await c.server_info()
-            greedy = await c.generate([5, 6, 7, 8], {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
-            return {"tokens": info["internal_states"][0]["generated_tokens"], "greedy": greedy["output_ids"],
-                    "version": info["weight_version"]}
-    return list(await asyncio.gather(*[one(u) for u in urls]))
-
-
-async def _wait_running(url: str, api_key: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with SGLangClient(url, api_key=api_key) as c:
-        while (await c.get_load())[0]["num_reqs"] == 0:
-            assert time.monotonic() < deadline, f"no request reached {url} within {timeout_s} s"
-            await asyncio.sleep(0.01)
 
 
 def _close_every_connection(sock: socket.socket) -> None:
@@ -75,17 +53,17 @@ def test_engine_killed_mid_rollout_is_restarted_and_loses_nothing(tmp_path):
     manager, engines, urls = start_manager(cfg, tmp_path / "r")
     key = read_api_key(tmp_path / "r")
     try:
-        initial = asyncio.run(_engine_info(urls, key))
+        initial = asyncio.run(engine_info(urls, key))
         other = read_checkpoint(str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 1)))
         ray.get(manager.begin_weight_update.remote())
         ray.get(manager.update_weights_from_tensor.remote(other, 1))
         ray.get(manager.finish_weight_update.remote(1))
-        synced = asyncio.run(_engine_info(urls, key))
+        synced = asyncio.run(engine_info(urls, key))
         assert synced[0]["greedy"] == synced[1]["greedy"] != initial[0]["greedy"]  # new weights, both engines
 
         old_pid = ray.get(engines[1].pid.remote())
         future = manager.generate_batch.remote()
-        asyncio.run(_wait_running(urls[1], key))
+        asyncio.run(wait_running(urls[1], key))
         os.kill(old_pid, signal.SIGKILL)
         started = time.monotonic()
         first = ray.get(future, timeout=180)
@@ -111,12 +89,12 @@ def test_engine_killed_mid_rollout_is_restarted_and_loses_nothing(tmp_path):
         assert [(e["up"], e["in_router"], e["router_healthy"]) for e in status] == [(True, True, True)] * 2
         assert ray.get(engines[1].alive.remote()) and ray.get(engines[1].pid.remote()) != old_pid
         assert ray.get(manager.engine_weight_versions.remote()) == ["1", "1"]
-        back = asyncio.run(_engine_info(urls, key))
+        back = asyncio.run(engine_info(urls, key))
         assert back[1]["greedy"] == back[0]["greedy"] == synced[0]["greedy"]  # the replayed weights, not initial
 
         # the next batch uses both engines and new prompts
         second = ray.get(manager.generate_batch.remote(), timeout=180)
-        after = asyncio.run(_engine_info(urls, key))
+        after = asyncio.run(engine_info(urls, key))
         assert after[0]["tokens"] > back[0]["tokens"] and after[1]["tokens"] > back[1]["tokens"]
         assert len(second["samples"]) == 32
         assert not {s["index"] for s in second["samples"]} & {s["index"] for s in samples}
@@ -226,9 +204,9 @@ def test_broadcast_group_is_formed_again_after_a_restart(tmp_path):
     key = read_api_key(tmp_path / "r")
     try:
         other = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 1))
-        initial = asyncio.run(_engine_info(urls, key))
+        initial = asyncio.run(engine_info(urls, key))
         _broadcast_sync(manager, other, 1, world_size=3)
-        synced = asyncio.run(_engine_info(urls, key))
+        synced = asyncio.run(engine_info(urls, key))
         assert synced[0]["greedy"] == synced[1]["greedy"] != initial[0]["greedy"]
         assert not ray.get(manager.weight_group_stale.remote())
 
@@ -248,7 +226,7 @@ def test_broadcast_group_is_formed_again_after_a_restart(tmp_path):
         assert [(e["up"], e["in_router"]) for e in status] == [(True, True)] * 2
         assert ray.get(manager.engine_weight_versions.remote()) == ["2", "2"]
         assert not ray.get(manager.weight_group_stale.remote())
-        back = asyncio.run(_engine_info(urls, key))
+        back = asyncio.run(engine_info(urls, key))
         assert back[0]["greedy"] == back[1]["greedy"] not in (initial[0]["greedy"], synced[0]["greedy"])
         assert len(ray.get(manager.generate_batch.remote(), timeout=180)["samples"]) == 4
     finally:
@@ -273,11 +251,11 @@ def test_a_restarted_engine_loads_the_named_adapter_again(tmp_path):
     manager, engines, urls = start_manager(cfg, tmp_path / "r", lora=config)
     key = read_api_key(tmp_path / "r")
     try:
-        initial = asyncio.run(_engine_info(urls, key))
+        initial = asyncio.run(engine_info(urls, key))
         ray.get(manager.begin_weight_update.remote())
         ray.get(manager.load_adapter_from_disk.remote(str(tmp_path / "adapter"), 1))
         ray.get(manager.finish_weight_update.remote(1))
-        synced = asyncio.run(_engine_info(urls, key, lora_path="policy_v1"))
+        synced = asyncio.run(engine_info(urls, key, lora_path="policy_v1"))
         assert synced[0]["greedy"] == synced[1]["greedy"] != initial[0]["greedy"]
 
         old_pid = ray.get(engines[1].pid.remote())
@@ -288,7 +266,7 @@ def test_a_restarted_engine_loads_the_named_adapter_again(tmp_path):
             assert time.monotonic() < deadline, ray.get(manager.engine_status.remote())
             time.sleep(0.2)
         assert ray.get(manager.engine_weight_versions.remote()) == ["1", "1"]
-        back = asyncio.run(_engine_info(urls, key, lora_path="policy_v1"))
+        back = asyncio.run(engine_info(urls, key, lora_path="policy_v1"))
         assert back[1]["greedy"] == back[0]["greedy"] == synced[0]["greedy"]  # the adapter, loaded again
         samples = ray.get(manager.generate_batch.remote(), timeout=180)["samples"]
         assert len(samples) == 4 and all(s["weight_version"] == 1 for s in samples)
@@ -350,13 +328,13 @@ def test_an_engine_killed_during_a_sync_costs_the_sync_nothing(tmp_path, method)
             time.sleep(0.05)
 
     try:
-        initial = asyncio.run(_engine_info(urls, key))
+        initial = asyncio.run(engine_info(urls, key))
         pusher = WeightPusher(None, method, manager, bucket_mb=1, run_dir=str(tmp_path / "r"), dtype="float32")
         second = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 1))
         pusher.backend = _WeightsOf(second, during_sync=kill_engine_1)
         metrics = pusher.push(1)
         assert metrics["sync/attempts"] == (2 if method == "distributed" else 1)
-        synced = asyncio.run(_engine_info(urls[:1], key))[0]
+        synced = asyncio.run(engine_info(urls[:1], key))[0]
         assert synced["version"] == "1" and synced["greedy"] != initial[0]["greedy"]
 
         ray.get(manager.wait_engines_settled.remote(), timeout=180)
@@ -367,7 +345,7 @@ def test_an_engine_killed_during_a_sync_costs_the_sync_nothing(tmp_path, method)
         else:  # replayed from the manager's copy, reloaded from the export, or back in time for the second attempt
             assert status["up"] and status["in_router"], str(status)  # str: pytest would cut a dict's repr short
             assert ray.get(manager.engine_weight_versions.remote()) == ["1", "1"]
-            assert asyncio.run(_engine_info(urls[1:], key))[0]["greedy"] == synced["greedy"]
+            assert asyncio.run(engine_info(urls[1:], key))[0]["greedy"] == synced["greedy"]
 
         third = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 2))
         pusher.backend = _WeightsOf(third)
@@ -375,7 +353,7 @@ def test_an_engine_killed_during_a_sync_costs_the_sync_nothing(tmp_path, method)
         status = ray.get(manager.engine_status.remote())
         assert [(e["up"], e["in_router"]) for e in status] == [(True, True)] * 2
         assert ray.get(manager.engine_weight_versions.remote()) == ["2", "2"]
-        back = asyncio.run(_engine_info(urls, key))
+        back = asyncio.run(engine_info(urls, key))
         assert back[0]["greedy"] == back[1]["greedy"] not in (initial[0]["greedy"], synced["greedy"])
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)

@@ -9,6 +9,9 @@ machine the bundle is ``{CPU: 1}`` and the engine runs on the CPU.
 
     actor.start(api_key) -> url   actor.restart() -> url (same ports, same key)   actor.alive() -> bool   actor.stop()
 
+``EngineSpec`` is how a run makes its engine actors: the loop makes the configured ones on their bundles, and the
+rollout manager makes one more from the same spec when an engine is added while the run goes on (elastic).
+
 Which server: the embedded engine (``sglang=None``, ``rollout=embedded``), or real SGLang (an ``SGLangLaunch``,
 ``rollout=sglang``: ``python -m sglang.launch_server ...`` rendered by ``engines/sglang.py``; it needs the
 ``sglang`` extra on a GPU node). Both run through the same ``ServerProcess``: same log file
@@ -24,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -150,6 +154,21 @@ class EngineActor:
         if self._key_dir is not None:
             shutil.rmtree(self._key_dir, ignore_errors=True)
             self._key_dir = None
+
+
+@dataclass
+class EngineSpec:
+    """The run's engine actors' arguments but the index and the GPUs (``EngineActor.__init__``'s model_path,
+    log_dir, dtype, max_batch_size, torch_threads, sglang, lora, return_routed_experts)."""
+    kwargs: dict
+
+    def make(self, index: int, num_gpus: float, scheduling_strategy=None, gpu_ids: Optional[list[str]] = None):
+        """Engine actor ``index`` holding ``num_gpus`` of Ray's GPUs (0 on CPU) and no CPU: on its bundle
+        (``scheduling_strategy``, with the bundle's ``gpu_ids``), or wherever Ray finds the GPUs free (None)."""
+        options = {"num_cpus": 0, "num_gpus": num_gpus}
+        if scheduling_strategy is not None:
+            options["scheduling_strategy"] = scheduling_strategy
+        return ray.remote(EngineActor).options(**options).remote(index, gpu_ids=gpu_ids, **self.kwargs)
 
 
 def engine_gpu_ids(pg, first_bundle: int, num_engines: int, gpus_per_engine: int) -> list[list[str]]:
