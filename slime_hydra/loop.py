@@ -33,7 +33,8 @@ job requeues itself). The trainer ranks write theirs in the background (``checkp
 moves at a later step boundary, once every file is on disk and in the manifest. ``resume=auto`` continues from the
 newest intact one: trainer state, prompt cursor, buffer, tracking step and (async mode) the next step's rollout.
 
-Debug modes: ``debug.mode=rollout_only`` generates and scores (saving every batch with ``debug.save_rollouts``)
+Between steps the driver answers requests to add, remove or list engines (``python -m slime_hydra.engines``,
+rollout/engine_requests.py). Debug modes: ``debug.mode=rollout_only`` generates and scores (saving every batch with ``debug.save_rollouts``)
 and never trains; ``train_only`` trains from the batches an earlier run saved (``debug.rollout_path``) and starts
 no engine.
 """
@@ -62,6 +63,7 @@ from slime_hydra.config.schema import SlimeConfig
 from slime_hydra.cores import usable_cores
 from slime_hydra.dotted import import_callable
 from slime_hydra.model.hf import copy_tokenizer, load_tokenizer
+from slime_hydra.rollout import engine_requests
 from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
 from slime_hydra.model.warm_start import resolve_model_path
 from slime_hydra.stall import PROBE_TIMEOUT_S, StallDoctor, StallError
@@ -290,6 +292,8 @@ class Session:
                 progress.update(self.step, metrics)
                 if self.doctor is not None:
                     self.doctor.beat()
+                if self.manager is not None:
+                    engine_requests.serve(self.run_dir, self.manager)        # engines added or removed by command
                 if preempt.requested() and self.step < cfg.num_steps:
                     return "preempted"
         if not self._save_due():

@@ -297,13 +297,14 @@ class EnginePool:
             raise ValueError(f"no engine {i} in service to remove (engines: {self.down_report()})")
         if not [j for j in range(len(self.engines)) if j not in self.down and j != i]:
             raise ValueError(f"engine {i} is the last engine in service: add one before removing it")
-        restart = self._restarts.get(i)
-        if restart is not None and not restart.done():
-            restart.cancel()
-        self.removed.add(i)
-        self.down[i] = REMOVED
-        self.awaiting_weights.discard(i)
-        self.group_stale = True
+        async with self.weights_lock:  # a sync's receivers do not change under it (it holds the lock throughout)
+            restart = self._restarts.get(i)
+            if restart is not None and not restart.done():
+                restart.cancel()
+            self.removed.add(i)
+            self.down[i] = REMOVED
+            self.awaiting_weights.discard(i)
+            self.group_stale = True
         url = self.urls[i]
         try:
             await asyncio.to_thread(self.router.remove_worker, url)
