@@ -6,7 +6,8 @@ A torch op on a CPU runs on a team of OpenMP threads that meet at a barrier when
 one of the cores busy, the team's thread on that core gets a time slice only now and then, and every op waits for
 it: one busy loop beside the CPU default on the 2-core machine made its train phase 6.8-7.8 s a step instead of
 0.5-0.8 s with 2 threads per process (issue 45). A team as large as the idle cores runs at full speed on them
-instead, so the trainer, the engines and the warm start size their teams by this count. It is sampled once per
+instead, so the trainer and the engines size their teams by this count (the warm start does not: its model
+must not depend on the load, model/warm_start.WARM_START_THREADS). It is sampled once per
 process (``functools.cache``): a program that starts later is not seen.
 Written here because psutil gives the per-core load but no rule for a thread count.
 """

@@ -38,7 +38,6 @@ from typing import Optional
 
 import torch
 
-from slime_hydra.cores import usable_cores
 from slime_hydra.data.config import DataConfig
 from slime_hydra.data.dataset import sft_levels
 from slime_hydra.data.tasks import get_task
@@ -50,6 +49,14 @@ BPE_TEXT_ROWS = 20_000
 """Prompt + answer pairs a BPE tokenizer learns its merges from (at least; the SFT rows when there are more)."""
 PROGRESS_S = 15.0
 """Seconds between the warm start's progress lines."""
+
+
+WARM_START_THREADS = 2
+"""The CPU warm start's torch thread team: fixed, so a model built offline is the same, bitwise, whatever the
+machine's load or core count when it is built (the team's size changes the float reductions: the tiny model's 350
+SFT steps ended at loss 0.611 with 1 thread and 0.584 with 2, and scored differently before RL). 2: the team the
+README's figures were built with on the 2-core machine. Beside a busy core this build runs slower (the team waits
+for its thread there, cores.py), once: the model is cached."""
 
 
 def cache_root() -> Path:
@@ -154,7 +161,7 @@ def build_checkpoint(model: ModelConfig, task_name: str, out_dir: Path, seed: in
     if steps > 0:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
-            torch.set_num_threads(usable_cores())  # nothing of the run works yet: every idle core
+            torch.set_num_threads(WARM_START_THREADS)
         net = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).to(device)
         start = time.time()
         loss = sft(net, tokenizer, rows[:steps * batch], steps, seed, chat_template, lr=model.sft_lr, batch=batch,
