@@ -39,7 +39,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("op", choices=engine_requests.OPS)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("index", type=int, nargs="?", help="remove: the engine's index (as list shows it)")
-    parser.add_argument("--drain-timeout", type=float, default=engine_requests.DEFAULT_DRAIN_TIMEOUT_S,
+    parser.add_argument("--drain-timeout", type=float, default=engine_requests.DRAIN_TIMEOUT_S,
                         help="remove: seconds the engine may take to finish its requests before they are retried "
                              "on the others")
     parser.add_argument("--timeout", type=float, default=600.0,

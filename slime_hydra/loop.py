@@ -34,9 +34,9 @@ moves at a later step boundary, once every file is on disk and in the manifest. 
 newest intact one: trainer state, prompt cursor, buffer, tracking step and (async mode) the next step's rollout.
 
 Between steps the driver answers requests to add, remove or list engines (``python -m slime_hydra.engines``,
-rollout/engine_requests.py). Debug modes: ``debug.mode=rollout_only`` generates and scores (saving every batch with ``debug.save_rollouts``)
-and never trains; ``train_only`` trains from the batches an earlier run saved (``debug.rollout_path``) and starts
-no engine.
+rollout/engine_requests.py). Debug modes: ``debug.mode=rollout_only`` generates and scores (saving every batch
+with ``debug.save_rollouts``) and never trains; ``train_only`` trains from the batches an earlier run saved
+(``debug.rollout_path``) and starts no engine.
 """
 
 import json

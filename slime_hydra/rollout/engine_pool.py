@@ -46,6 +46,8 @@ REGISTER_TIMEOUT_S = 120.0
 """Seconds the router may take to list a (re-)registered engine healthy."""
 AWAIT_POLL_S = 0.1
 """How often a request waiting for an engine looks again while restarted engines wait for weights."""
+DRAIN_TIMEOUT_S = 60.0
+"""Default seconds a removed engine may take to finish the requests it holds before they are retried elsewhere."""
 DRAIN_POLL_S = 0.1
 """How often a draining engine's load is read."""
 REMOVED = "removed"
@@ -233,14 +235,8 @@ class EnginePool:
             new_url = await self.engines[i].restart.remote()
             if new_url != url:
                 raise RuntimeError(f"restarted at {new_url}, not on its old address {url}")
-            async with self.weights_lock:
-                if self.replay is not None and not await self.replay(i):
-                    self.awaiting_weights.add(i)
-                    self.down[i] = f"restarted after: {cause}; waits for the next weight sync"
-                    self.group_stale = True
-                    return
-                await self._register(i)
-            print(f"rollout: engine {i} ({url}) is back", flush=True)
+            if await self._bring_in(i, f"restarted after: {cause}"):
+                print(f"rollout: engine {i} ({url}) is back", flush=True)
         except Exception as error:
             self.down[i] = f"{cause}; the restart failed: {type(error).__name__}: {error}"
             if isinstance(error, EngineError):  # the restarted server stopped answering: say what became of it
@@ -248,6 +244,18 @@ class EnginePool:
             print(f"rollout: engine {i} ({url}) {self.down[i]}", flush=True)
             if isinstance(error, ray.exceptions.RayActorError):  # the actor is gone, as in _watch: the run stops
                 self.failed = error
+
+    async def _bring_in(self, i: int, how: str) -> bool:
+        """Give engine i (out of service) the newest weights and put it in the router: True. When they cannot be
+        replayed from here it waits out of the router for the next sync (``register_awaiting``): False."""
+        async with self.weights_lock:
+            if self.replay is not None and not await self.replay(i):
+                self.awaiting_weights.add(i)
+                self.down[i] = f"{how}; waits for the next weight sync"
+                self.group_stale = True
+                return False
+            await self._register(i)
+            return True
 
     async def _describe(self, i: int) -> str:
         try:
@@ -280,17 +288,12 @@ class EnginePool:
         self.clients.append(SGLangClient(url, api_key=self.api_key))
         self.down[i] = "joining"  # no request or sync reaches it until it has the newest weights
         self.group_stale = True  # a broadcast group is formed again with it
-        async with self.weights_lock:
-            if self.replay is not None and not await self.replay(i):
-                self.awaiting_weights.add(i)
-                self.down[i] = "joined; waits for the next weight sync"
-                print(f"rollout: engine {i} ({url}) joined; it takes traffic after the next weight sync", flush=True)
-                return i
-            await self._register(i)
-        print(f"rollout: engine {i} ({url}) joined and takes traffic", flush=True)
+        joined = await self._bring_in(i, "joined")
+        print(f"rollout: engine {i} ({url}) joined; it takes traffic "
+              f"{'now' if joined else 'after the next weight sync'}", flush=True)
         return i
 
-    async def remove(self, i: int, drain_timeout_s: float = 60.0) -> int:
+    async def remove(self, i: int, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> int:
         """Drain engine i and stop it (see the module docstring); returns the requests it still held when the drain
         timed out (they are retried on the other engines)."""
         if not 0 <= i < len(self.engines) or i in self.removed:

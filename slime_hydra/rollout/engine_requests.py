@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import ray
 
 from slime_hydra.durable import write_json
+from slime_hydra.rollout.engine_pool import DRAIN_TIMEOUT_S
 
 OPS = ("add", "remove", "list")
 """What a request may ask."""
@@ -32,12 +33,10 @@ REQUESTS = "engine_requests"
 """The folder of a run directory that holds the requests and replies."""
 POLL_S = 0.2
 """How often a waiting requester looks for its reply (s)."""
-DEFAULT_DRAIN_TIMEOUT_S = 60.0
-"""How long a removed engine may take to finish the requests it holds before they are retried elsewhere (s)."""
 
 
 def submit(run_dir: Path, op: str, index: Optional[int] = None,
-           drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> Path:
+           drain_timeout_s: float = DRAIN_TIMEOUT_S) -> Path:
     """Write a request; returns the path its reply will have."""
     if op not in OPS:
         raise ValueError(f"unknown engine request {op!r}: one of {', '.join(OPS)}")

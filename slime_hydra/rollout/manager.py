@@ -75,7 +75,7 @@ from slime_hydra.net import backoff_s
 from slime_hydra.reward import RewardScorer
 from slime_hydra.rollout.auth import API_KEY_FILE, new_api_key, write_private
 from slime_hydra.rollout.client import MEMORY_TAGS, EngineError, EngineUnavailable, SGLangClient
-from slime_hydra.rollout.engine_pool import EnginePool
+from slime_hydra.rollout.engine_pool import DRAIN_TIMEOUT_S, EnginePool
 from slime_hydra.rollout.engines.process import last_traceback
 from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, sampling_params
 from slime_hydra.rollout.router import Router, RouterError
@@ -408,7 +408,7 @@ class RolloutManager:
         i = await self.pool.add(self.engine_spec.make(len(self.pool.engines), gpus))
         return (await self.pool.status())[i]
 
-    async def remove_engine(self, index: int, drain_timeout_s: float = 60.0) -> dict:
+    async def remove_engine(self, index: int, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> dict:
         """Drain engine ``index`` and stop it (EnginePool.remove). Returns its ``engine_status`` row and
         ``retried``: the requests it still held after ``drain_timeout_s`` (retried on the other engines)."""
         held = await self.pool.remove(index, drain_timeout_s)
