@@ -33,11 +33,23 @@ Ray temp dirs are named by its id."""
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Each test module goes to one xdist worker whole (its module-scoped fixtures, engines and models and reference
-    runs, are built once, not once per worker), and ONE_AT_A_TIME's directories together to one."""
+    runs, are built once, not once per worker), and ONE_AT_A_TIME's directories together to one.
+
+    The groups are handed out in the order of the items (addopts' ``--no-loadscope-reorder``; xdist's own order
+    puts the groups of most tests first, which left the single-test runs of tests/loop for last). So the items are
+    sorted, longest groups first, as a greedy schedule of jobs over two workers wants them: ONE_AT_A_TIME's group
+    (~11 min), then the groups by their ``slow`` tests (~20 s or more each), then by their number of tests; the
+    many short groups fill the end, and the two workers finish within a short group of each other."""
+    group_of, members = {}, {}
     for item in items:
         parts = item.path.relative_to(config.rootpath).parts
         one_at_a_time = len(parts) > 2 and parts[0] == "tests" and parts[1] in ONE_AT_A_TIME
-        item.add_marker(pytest.mark.xdist_group("slurm" if one_at_a_time else "/".join(parts)))
+        group_of[item] = "slurm" if one_at_a_time else "/".join(parts)
+        item.add_marker(pytest.mark.xdist_group(group_of[item]))
+        members.setdefault(group_of[item], []).append(item)
+    rank = {group: (group != "slurm", -sum(i.get_closest_marker("slow") is not None for i in its), -len(its))
+            for group, its in members.items()}
+    items.sort(key=lambda item: rank[group_of[item]])  # stable: a group's own order stays
 
 
 SHARED_NODE_CPUS = 8

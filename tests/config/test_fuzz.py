@@ -107,6 +107,7 @@ def outcome(compose, ovs: list[str]) -> str:
     return "valid"
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(overrides)
 def test_any_override_combination_is_valid_or_refused_by_key(composer, ovs):
@@ -158,6 +159,7 @@ settings_strategy = st.lists(st.sampled_from(range(len(TYPED))).flatmap(
     lambda i: st.sampled_from(TYPED[i][1]).map(lambda v, i=i: (TYPED[i][0], v))), min_size=1, max_size=8)
 
 
+@pytest.mark.slow
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(0, len(BASES) - 1), settings_strategy)
 def test_any_schema_setting_is_valid_or_refused_by_key(bases, base, assignments):

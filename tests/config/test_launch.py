@@ -57,6 +57,7 @@ def test_invalid_config_exits_2_listing_every_problem(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_real_run_from_a_plain_shell_is_quiet_and_writes_provenance(tmp_path, model_cache):
     """The README's `python launch.py` from a plain shell, on a Ray node of its own (one tiny step: the loop itself is
     tested in tests/loop). Without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 exported, Ray (which reads it at import)

@@ -1,14 +1,17 @@
-"""Fault tolerance of the rollout manager, for real: Ray, sglang-router, two embedded CPU engines on the tiny model.
+"""Fault tolerance of the rollout manager, for real: Ray, sglang-router, embedded CPU engines on the tiny model.
 
-An engine process is killed with SIGKILL while a batch is generating; the batch must still come back whole (every
-prompt once, every sample index once), the engine must be restarted on its address with the newest weights (a
-different checkpoint pushed as version 1 before the rollout, so a restart that kept the initial weights shows in
-the greedy tokens), registered in the router again, and serve the next batch. A second test, with one engine,
-checks a failed request is retried once the engine is back, and that when the restart fails the error names the
-engine and why. A third kills an engine between two broadcast syncs (weight_sync=distributed): the broadcast group is
-formed again with every engine. A fourth kills an engine after a LoRA adapter sync by disk: the restarted engine loads
-the named adapter again. The last kills an engine in the middle of a sync, by each CPU method, through the trainer's
-own sender.
+Most tests share one manager with two engines (``pair``), and each pushes weights the engines do not hold yet
+through the trainer's own sender (``WeightPusher``, this process as rank 0 of a one-rank gloo world), so a restart
+that kept older weights shows in the greedy tokens:
+- an engine process is killed with SIGKILL while a batch is generating: the batch still comes back whole (every
+  prompt once, every sample index once), and the engine is restarted on its address with the newest weights,
+  registered in the router again, and serves the next batch;
+- an engine killed between two broadcast syncs (weight_sync=distributed): the broadcast group is formed again with
+  every engine;
+- an engine killed in the middle of a sync, by each CPU method.
+Tests with a manager of their own: with one engine, a failed request is retried once the engine is back, and when
+the restart fails the error names the engine and why; an engine's Ray actor killed; an engine killed after a LoRA
+adapter sync by disk, whose restart loads the named adapter again.
 """
 
 import asyncio
@@ -17,10 +20,9 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -29,11 +31,9 @@ import ray
 from slime_hydra.model.warm_start import resolve_model_path
 from slime_hydra.rollout.auth import read_api_key
 from slime_hydra.rollout.engines.embedded.server import read_checkpoint
-from slime_hydra.weight_transport import dtype_name
 from tests.rollout.helpers import engine_info, manager_config, start_manager, wait_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_driver")]  # the shared Ray node
-REPO = Path(__file__).resolve().parents[2]
 SHAPE = ("rollout.batch_prompts=8", "rollout.n_samples_per_prompt=4", "rollout.max_response_tokens=128",
          "rollout.health_check_interval_s=0.5")
 
@@ -46,63 +46,6 @@ def _close_every_connection(sock: socket.socket) -> None:
         except OSError:
             return
         conn.close()
-
-
-def test_engine_killed_mid_rollout_is_restarted_and_loses_nothing(tmp_path):
-    cfg = manager_config(tmp_path, *SHAPE)
-    manager, engines, urls = start_manager(cfg, tmp_path / "r")
-    key = read_api_key(tmp_path / "r")
-    try:
-        initial = asyncio.run(engine_info(urls, key))
-        other = read_checkpoint(str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 1)))
-        ray.get(manager.begin_weight_update.remote())
-        ray.get(manager.update_weights_from_tensor.remote(other, 1))
-        ray.get(manager.finish_weight_update.remote(1))
-        synced = asyncio.run(engine_info(urls, key))
-        assert synced[0]["greedy"] == synced[1]["greedy"] != initial[0]["greedy"]  # new weights, both engines
-
-        old_pid = ray.get(engines[1].pid.remote())
-        future = manager.generate_batch.remote()
-        asyncio.run(wait_running(urls[1], key))
-        os.kill(old_pid, signal.SIGKILL)
-        started = time.monotonic()
-        first = ray.get(future, timeout=180)
-        samples = first["samples"]
-
-        # the batch is whole: 8 prompts x 4 samples, every index once, every prompt once
-        assert len(samples) == 32
-        assert len({s["index"] for s in samples}) == 32
-        groups: dict[int, list] = {}
-        for s in samples:
-            groups.setdefault(s["group_index"], []).append(s)
-        assert sorted(len(g) for g in groups.values()) == [4] * 8
-        assert len({str(g[0]["prompt"]) for g in groups.values()}) == 8
-        assert all(len({str(s["prompt"]) for s in g}) == 1 for g in groups.values())
-        assert all(s["status"] in ("completed", "truncated") for s in samples)
-        assert all(s["weight_version"] == 1 for s in samples)
-        assert all(len(s["rollout_log_probs"]) == s["response_length"] > 0 for s in samples)
-
-        # the engine is back: new process, in the router and healthy there, same weights as the other
-        ray.get(manager.wait_engines_settled.remote(), timeout=180)
-        recovered_s = time.monotonic() - started
-        status = ray.get(manager.engine_status.remote())
-        assert [(e["up"], e["in_router"], e["router_healthy"]) for e in status] == [(True, True, True)] * 2
-        assert ray.get(engines[1].alive.remote()) and ray.get(engines[1].pid.remote()) != old_pid
-        assert ray.get(manager.engine_weight_versions.remote()) == ["1", "1"]
-        back = asyncio.run(engine_info(urls, key))
-        assert back[1]["greedy"] == back[0]["greedy"] == synced[0]["greedy"]  # the replayed weights, not initial
-
-        # the next batch uses both engines and new prompts
-        second = ray.get(manager.generate_batch.remote(), timeout=180)
-        after = asyncio.run(engine_info(urls, key))
-        assert after[0]["tokens"] > back[0]["tokens"] and after[1]["tokens"] > back[1]["tokens"]
-        assert len(second["samples"]) == 32
-        assert not {s["index"] for s in second["samples"]} & {s["index"] for s in samples}
-        restarts = first["metrics"]["rollout/engine_restarts"] + second["metrics"]["rollout/engine_restarts"]
-        assert restarts == 1
-        print(f"recovered in {recovered_s:.1f} s; retries {first['metrics']['rollout/generate_retries']:.0f}")
-    finally:
-        ray.get(manager.shutdown.remote(), timeout=60)
 
 
 def test_generate_retries_after_a_restart_then_fails_naming_the_engine(tmp_path):
@@ -162,73 +105,6 @@ def test_an_engine_actor_that_dies_stops_the_health_checks_loudly_and_the_next_b
         with pytest.raises(ray.exceptions.RayTaskError) as raised:
             ray.get(manager.generate_batch.remote(), timeout=60)
         assert "ActorDiedError" in str(raised.value) and "EngineActor" in str(raised.value)
-    finally:
-        ray.get(manager.shutdown.remote(), timeout=60)
-
-
-def _broadcast_sync(manager, model_dir: str, version: int, world_size: int) -> None:
-    """One sync as the trainer's WeightPusher runs it with weight_sync=distributed: a fresh broadcast group whose
-    rank 0 (a sender process standing in for trainer rank 0) sends every tensor of ``model_dir``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    weights = read_checkpoint(model_dir)
-    names = sorted(weights)
-    sender = subprocess.Popen(
-        [sys.executable, "-c", f"from tests.rollout.helpers import send_weights; "
-                               f"send_weights({port}, {model_dir!r}, world_size={world_size})"],
-        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        ray.get(manager.begin_weight_update.remote(), timeout=60)
-        ray.get(manager.init_weight_sync.remote("127.0.0.1", port, "gloo"), timeout=120)
-        ray.get(manager.update_weights_from_distributed.remote(
-            names, [dtype_name(weights[n].dtype) for n in names], [list(weights[n].shape) for n in names], version),
-            timeout=120)
-        ray.get(manager.finish_weight_update.remote(version), timeout=60)
-        out, _ = sender.communicate("done\n", timeout=60)
-        assert sender.returncode == 0, out
-    finally:
-        if sender.poll() is None:
-            sender.kill()
-            sender.wait()
-
-
-def test_broadcast_group_is_formed_again_after_a_restart(tmp_path):
-    """weight_sync=distributed cannot replay a broadcast into a restarted engine: it waits out of the router for the
-    next sync, the group is marked stale, the survivor leaves the old group, and the next sync's new group (all
-    engines again) brings both engines to the same new weights."""
-    cfg = manager_config(tmp_path, "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2",
-                         "rollout.health_check_interval_s=0.5")
-    manager, engines, urls = start_manager(cfg, tmp_path / "r")
-    key = read_api_key(tmp_path / "r")
-    try:
-        other = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 1))
-        initial = asyncio.run(engine_info(urls, key))
-        _broadcast_sync(manager, other, 1, world_size=3)
-        synced = asyncio.run(engine_info(urls, key))
-        assert synced[0]["greedy"] == synced[1]["greedy"] != initial[0]["greedy"]
-        assert not ray.get(manager.weight_group_stale.remote())
-
-        os.kill(ray.get(engines[1].pid.remote()), signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        # restarted on the initial weights, out of service until a sync reaches it
-        while "waits for the next weight sync" not in (ray.get(manager.engine_status.remote())[1]["cause"] or ""):
-            assert time.monotonic() < deadline, ray.get(manager.engine_status.remote())
-            time.sleep(0.2)
-        status = ray.get(manager.engine_status.remote())
-        assert [(e["up"], e["in_router"]) for e in status] == [(True, True), (False, False)]
-        assert ray.get(manager.weight_group_stale.remote())  # the group lost a member
-
-        third = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 2))
-        _broadcast_sync(manager, third, 2, world_size=3)  # weights neither engine has had
-        status = ray.get(manager.engine_status.remote())
-        assert [(e["up"], e["in_router"]) for e in status] == [(True, True)] * 2
-        assert ray.get(manager.engine_weight_versions.remote()) == ["2", "2"]
-        assert not ray.get(manager.weight_group_stale.remote())
-        back = asyncio.run(engine_info(urls, key))
-        assert back[0]["greedy"] == back[1]["greedy"] not in (initial[0]["greedy"], synced[0]["greedy"])
-        assert len(ray.get(manager.generate_batch.remote(), timeout=180)["samples"]) == 4
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
 
@@ -299,25 +175,156 @@ class _WeightsOf:
         self._midway()
 
 
-@pytest.mark.parametrize("method", ["distributed", "tensor", "disk"])
-def test_an_engine_killed_during_a_sync_costs_the_sync_nothing(tmp_path, method):
-    """An engine SIGKILLed in the middle of a weight sync, by each CPU method, through the trainer's real
-    ``WeightPusher`` (rank 0 of a one-rank gloo world) and the rollout manager: the push returns; the other engine
-    holds the new version; the dead one is restarted. By tensor or disk the sync goes on without it and it is given
-    the new weights when it is back (one attempt); a broadcast fails for every member when one dies, so the trainer
-    sends the version once more to the survivor (two attempts). The next sync reaches both engines."""
+@dataclass
+class Pair:
+    """Two engines behind one rollout manager (8 prompts x 4 samples a batch, health checks every 0.5 s), shared by
+    the tests that leave both engines up and in the router, and the trainer's side of a sync: this process as rank 0
+    of a one-rank gloo world, one ``WeightPusher`` per method. Each sync sends the next version of weights the
+    engines do not hold: the tiny model's checkpoints of three seeds, in turn."""
+    cfg: object
+    manager: object
+    engines: list
+    urls: list[str]
+    key: str
+    run_dir: Path
+    models: list[str]
+    holding: int = 0
+    """Index in ``models`` of the weights the engines hold."""
+    version: int = 0
+    pushers: dict = field(default_factory=dict)
+
+    def push(self, method: str, during_sync=None) -> dict:
+        """Sync the next checkpoint as the next version by ``method`` (``during_sync`` runs half-way); returns the
+        push's metrics."""
+        from slime_hydra.train.weight_sync import WeightPusher
+
+        if method not in self.pushers:  # one per method: a broadcast pusher keeps its group between syncs
+            self.pushers[method] = WeightPusher(None, method, self.manager, bucket_mb=1,
+                                                run_dir=str(self.run_dir), dtype="float32")
+        pusher = self.pushers[method]
+        nxt = (self.holding + 1) % len(self.models)
+        pusher.backend = _WeightsOf(self.models[nxt], during_sync)
+        metrics = pusher.push(self.version + 1)
+        self.holding, self.version = nxt, self.version + 1
+        return metrics
+
+    def info(self, urls=None) -> list[dict]:
+        return asyncio.run(engine_info(self.urls if urls is None else urls, self.key))
+
+    def both_up(self) -> None:
+        """Both engines in service and in the router, holding the last version."""
+        status = ray.get(self.manager.engine_status.remote())
+        assert [(e["up"], e["in_router"]) for e in status] == [(True, True)] * 2, str(status)
+        assert ray.get(self.manager.engine_weight_versions.remote()) == [str(self.version)] * 2
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
     import torch.distributed as dist
 
-    from slime_hydra.train.weight_sync import WeightPusher
-
-    cfg = manager_config(tmp_path, "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2",
-                         "rollout.health_check_interval_s=0.5")
-    manager, engines, urls = start_manager(cfg, tmp_path / "r")
-    key = read_api_key(tmp_path / "r")
+    tmp = tmp_path_factory.mktemp("pair")
+    cfg = manager_config(tmp, *SHAPE)
+    manager, engines, urls = start_manager(cfg, tmp / "r")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield Pair(cfg, manager, engines, urls, read_api_key(tmp / "r"), tmp / "r",
+                   [str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + k)) for k in range(3)])
+    finally:
+        ray.get(manager.shutdown.remote(), timeout=60)
+        dist.destroy_process_group()
+
+
+def test_engine_killed_mid_rollout_is_restarted_and_loses_nothing(pair):
+    manager, engines = pair.manager, pair.engines
+    initial = pair.info()
+    pair.push("tensor")
+    synced = pair.info()
+    assert synced[0]["greedy"] == synced[1]["greedy"] != initial[0]["greedy"]  # new weights, both engines
+
+    old_pid = ray.get(engines[1].pid.remote())
+    future = manager.generate_batch.remote()
+    asyncio.run(wait_running(pair.urls[1], pair.key))
+    os.kill(old_pid, signal.SIGKILL)
+    started = time.monotonic()
+    first = ray.get(future, timeout=180)
+    samples = first["samples"]
+
+    # the batch is whole: 8 prompts x 4 samples, every index once, every prompt once
+    assert len(samples) == 32
+    assert len({s["index"] for s in samples}) == 32
+    groups: dict[int, list] = {}
+    for s in samples:
+        groups.setdefault(s["group_index"], []).append(s)
+    assert sorted(len(g) for g in groups.values()) == [4] * 8
+    assert len({str(g[0]["prompt"]) for g in groups.values()}) == 8
+    assert all(len({str(s["prompt"]) for s in g}) == 1 for g in groups.values())
+    assert all(s["status"] in ("completed", "truncated") for s in samples)
+    assert all(s["weight_version"] == pair.version for s in samples)
+    assert all(len(s["rollout_log_probs"]) == s["response_length"] > 0 for s in samples)
+
+    # the engine is back: new process, in the router and healthy there, same weights as the other
+    ray.get(manager.wait_engines_settled.remote(), timeout=180)
+    recovered_s = time.monotonic() - started
+    status = ray.get(manager.engine_status.remote())
+    assert [(e["up"], e["in_router"], e["router_healthy"]) for e in status] == [(True, True, True)] * 2
+    assert ray.get(engines[1].alive.remote()) and ray.get(engines[1].pid.remote()) != old_pid
+    pair.both_up()
+    back = pair.info()
+    assert back[1]["greedy"] == back[0]["greedy"] == synced[0]["greedy"]  # the replayed weights, not initial
+
+    # the next batch uses both engines and new prompts
+    second = ray.get(manager.generate_batch.remote(), timeout=180)
+    after = pair.info()
+    assert after[0]["tokens"] > back[0]["tokens"] and after[1]["tokens"] > back[1]["tokens"]
+    assert len(second["samples"]) == 32
+    assert not {s["index"] for s in second["samples"]} & {s["index"] for s in samples}
+    restarts = first["metrics"]["rollout/engine_restarts"] + second["metrics"]["rollout/engine_restarts"]
+    assert restarts == 1
+    print(f"recovered in {recovered_s:.1f} s; retries {first['metrics']['rollout/generate_retries']:.0f}")
+
+
+def test_broadcast_group_is_formed_again_after_a_restart(pair):
+    """weight_sync=distributed cannot replay a broadcast into a restarted engine: it waits out of the router for the
+    next sync, the group is marked stale, the survivor leaves the old group, and the next sync's new group (all
+    engines again) brings both engines to the same new weights."""
+    manager, engines = pair.manager, pair.engines
+    initial = pair.info()
+    assert pair.push("distributed")["sync/attempts"] == 1
+    synced = pair.info()
+    assert synced[0]["greedy"] == synced[1]["greedy"] != initial[0]["greedy"]
+    assert not ray.get(manager.weight_group_stale.remote())
+
+    os.kill(ray.get(engines[1].pid.remote()), signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    # restarted on the initial weights, out of service until a sync reaches it
+    while "waits for the next weight sync" not in (ray.get(manager.engine_status.remote())[1]["cause"] or ""):
+        assert time.monotonic() < deadline, ray.get(manager.engine_status.remote())
+        time.sleep(0.2)
+    status = ray.get(manager.engine_status.remote())
+    assert [(e["up"], e["in_router"]) for e in status] == [(True, True), (False, False)]
+    assert ray.get(manager.weight_group_stale.remote())  # the group lost a member
+
+    assert pair.push("distributed")["sync/attempts"] == 1  # a new group: weights neither engine has had
+    pair.both_up()
+    assert not ray.get(manager.weight_group_stale.remote())
+    back = pair.info()
+    assert back[0]["greedy"] == back[1]["greedy"] not in (initial[0]["greedy"], synced[0]["greedy"])
+    assert len(ray.get(manager.generate_batch.remote(), timeout=180)["samples"]) == 32
+
+
+@pytest.mark.parametrize("method", ["distributed", "tensor", "disk"])
+def test_an_engine_killed_during_a_sync_costs_the_sync_nothing(pair, method):
+    """An engine SIGKILLed in the middle of a weight sync, by each CPU method, through the trainer's real
+    ``WeightPusher`` and the rollout manager: the push returns; the other engine holds the new version; the dead one
+    is restarted. By tensor or disk the sync goes on without it and it is given the new weights when it is back (one
+    attempt); a broadcast fails for every member when one dies, so the trainer sends the version once more to the
+    survivor (two attempts). The next sync reaches both engines."""
+    from slime_hydra.train.weight_sync import ENGINES_SETTLE_S
+
+    manager, engines = pair.manager, pair.engines
     old_pid = ray.get(engines[1].pid.remote())
 
     def kill_engine_1():
@@ -327,34 +334,24 @@ def test_an_engine_killed_during_a_sync_costs_the_sync_nothing(tmp_path, method)
             assert time.monotonic() < deadline, "engine 1 still alive 30 s after SIGKILL"
             time.sleep(0.05)
 
-    try:
-        initial = asyncio.run(engine_info(urls, key))
-        pusher = WeightPusher(None, method, manager, bucket_mb=1, run_dir=str(tmp_path / "r"), dtype="float32")
-        second = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 1))
-        pusher.backend = _WeightsOf(second, during_sync=kill_engine_1)
-        metrics = pusher.push(1)
-        assert metrics["sync/attempts"] == (2 if method == "distributed" else 1)
-        synced = asyncio.run(engine_info(urls[:1], key))[0]
-        assert synced["version"] == "1" and synced["greedy"] != initial[0]["greedy"]
+    initial = pair.info()
+    started = time.monotonic()
+    assert pair.push(method, during_sync=kill_engine_1)["sync/attempts"] == (2 if method == "distributed" else 1)
+    # a failed broadcast ends the survivor's receive at once, not after the sender's wait for it
+    assert time.monotonic() - started < ENGINES_SETTLE_S / 2
+    synced = pair.info(pair.urls[:1])[0]
+    assert synced["version"] == str(pair.version) and synced["greedy"] != initial[0]["greedy"]
 
-        ray.get(manager.wait_engines_settled.remote(), timeout=180)
-        assert ray.get(engines[1].pid.remote()) != old_pid  # restarted
-        status = ray.get(manager.engine_status.remote())[1]
-        if method == "distributed" and not status["up"]:  # back after the second attempt began: a broadcast
-            assert not status["in_router"] and "waits for the next weight sync" in status["cause"], str(status)
-        else:  # replayed from the manager's copy, reloaded from the export, or back in time for the second attempt
-            assert status["up"] and status["in_router"], str(status)  # str: pytest would cut a dict's repr short
-            assert ray.get(manager.engine_weight_versions.remote()) == ["1", "1"]
-            assert asyncio.run(engine_info(urls[1:], key))[0]["greedy"] == synced["greedy"]
+    ray.get(manager.wait_engines_settled.remote(), timeout=180)
+    assert ray.get(engines[1].pid.remote()) != old_pid  # restarted
+    status = ray.get(manager.engine_status.remote())[1]
+    if method == "distributed" and not status["up"]:  # back after the second attempt began: a broadcast
+        assert not status["in_router"] and "waits for the next weight sync" in status["cause"], str(status)
+    else:  # replayed from the manager's copy, reloaded from the export, or back in time for the second attempt
+        pair.both_up()
+        assert pair.info(pair.urls[1:])[0]["greedy"] == synced["greedy"]
 
-        third = str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + 2))
-        pusher.backend = _WeightsOf(third)
-        assert pusher.push(2)["sync/attempts"] == 1
-        status = ray.get(manager.engine_status.remote())
-        assert [(e["up"], e["in_router"]) for e in status] == [(True, True)] * 2
-        assert ray.get(manager.engine_weight_versions.remote()) == ["2", "2"]
-        back = asyncio.run(engine_info(urls, key))
-        assert back[0]["greedy"] == back[1]["greedy"] not in (initial[0]["greedy"], synced["greedy"])
-    finally:
-        ray.get(manager.shutdown.remote(), timeout=60)
-        dist.destroy_process_group()
+    assert pair.push(method)["sync/attempts"] == 1
+    pair.both_up()
+    back = pair.info()
+    assert back[0]["greedy"] == back[1]["greedy"] not in (initial[0]["greedy"], synced["greedy"])
