@@ -43,16 +43,26 @@ python3 launch.py "${common[@]}" "${args[@]}" "${@:2}" || {
   grep -H -i "error" "$out"/run/logs/router.log | tail -5
   exit $status
 }
-python3 - "$out/run/metrics.jsonl" <<'PY'
-import json, sys
+python3 - "$out/run/metrics.jsonl" "$([ "$mode" = colocated ] && echo 1 || echo 2)" <<'PY'
+import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "perf/step_time" in l]
 keys = ["perf/step_time", "perf/rollout_time", "perf/logprobs_time", "perf/train_time", "perf/weight_sync_time",
         "perf/offload_time", "perf/offload_trainer_offload_time", "perf/offload_engine_resume_time",
         "perf/offload_engine_release_time", "perf/offload_trainer_onload_time", "perf/offload_release_and_onload_time",
         "perf/checkpoint_time", "perf/overhead_time", "perf/tokens_per_s", "rollout/tokens", "sync/bytes",
         "perf/trainer_gpu_gb_engines", "perf/trainer_gpu_gb_trainer", "perf/trainer_gpu_peak_gb",
-        "train/train_rollout_logprob_abs_diff",
+        "train/train_rollout_logprob_abs_diff", "rollout/weight_version_lag",
         "rollout/engine_gpu_peak_gb"]
 for r in rows:
     print(r["step"], " ".join(f"{k.split('/')[-1]}={r.get(k, float('nan')):.4g}" for k in keys))
+# over every step (the last one's time includes the final checkpoint): mean, median, min
+gpus = int(sys.argv[2])
+times = [r["perf/step_time"] for r in rows]
+per_gpu = [r["rollout/tokens"] / r["perf/step_time"] / gpus for r in rows]
+gaps = [r["train/train_rollout_logprob_abs_diff"] for r in rows if "train/train_rollout_logprob_abs_diff" in r]
+print(f"all {len(rows)} steps: step_time mean {statistics.fmean(times):.3f} median {statistics.median(times):.3f} "
+      f"min {min(times):.3f} s; response tokens/s/GPU mean {statistics.fmean(per_gpu):.0f} "
+      f"median {statistics.median(per_gpu):.0f} max {max(per_gpu):.0f}; logprob abs diff mean "
+      f"{statistics.fmean(gaps) if gaps else float('nan'):.5f}; weight_version_lag max "
+      f"{max(r['rollout/weight_version_lag'] for r in rows):.0f}")
 PY

@@ -6,7 +6,7 @@ Layout (``k`` = rollout steps completed)::
         actor/            the trainer's resumable checkpoint (model, optimizer, scheduler, RNG, step; backend's own)
         critic/           PPO only
         rollout.json      the prompt cursor and the buffer (RolloutManager.state_dict)
-        loop.json         {"step": k, "next_rollout": ... | null}  (the engines' weight version after a resume is k)
+        loop.json         {"step": k, "rollouts_ahead": [...]}  (the engines' weight version after a resume is k)
         manifest.json     written last: every other file's relative path, size in bytes and CRC-32
     <run_dir>/checkpoints/latest     the name of the newest complete checkpoint
     <run_dir>/checkpoints/partial/   folders set aside, never resumed from (step_000044-20260512-101500)
@@ -21,8 +21,8 @@ same step at once, and completes the checkpoint (``Checkpoints.complete``, a thr
 boundary, once every rank reported its files fsynced; a save first waits for the previous one. When to save:
 ``save_every_steps``, ``save_every_minutes`` since the last save, the end of the run, a signal (these last two wait
 for the write); ``keep_checkpoints`` newest are kept, older ones deleted once a newer one is complete (``prune``). In
-async mode the rollout already generating for the next step is finished and kept in ``loop.json``
-(``next_rollout``), so no sample is lost or generated twice.
+async mode the rollouts already started for the next steps are finished and kept in ``loop.json``
+(``rollouts_ahead``), so no sample is lost or generated twice.
 
 The checksum is CRC-32 (``zlib.crc32``: 2.5 GB/s on one core of the busy 2-core CPU test machine, where SHA-1 does
 1.5 GB/s and MD5 or BLAKE2b 0.6; with the files read back from the page cache, 0.4-1.0 GB/s, 1 GiB in 1.1-2.5 s): it

@@ -16,9 +16,10 @@ Who does what (docs/architecture.md has the whole map):
 One step in sync mode: the engines generate a batch with the current weights; the trainer computes old (and
 reference) logprobs, advantages, then takes ``optimizer_steps_per_rollout`` optimizer steps on consecutive
 ``global_batch_samples`` slices; the new weights go to the engines. In async mode (``mode=async``, roles on
-separate GPUs) the rollout of step k+1 is started before step k trains, on the weights the engines hold then;
-the buffer drops groups more than ``max_staleness`` versions old, and a sync that arrives mid-rollout is applied
-in place (generation continues on the new weights; TIS, ``algo.tis_cap``, corrects the mixed logprobs).
+separate GPUs) the rollouts of the next ``max_staleness`` steps (one at least) start before step k trains, one after
+another on the weights the engines hold then: samples lag the policy by at most ``max_staleness`` versions
+(``rollout/weight_version_lag``; the buffer drops older groups), a sync that arrives mid-rollout is applied in place,
+and TIS (``algo.tis_cap``) corrects the mixed logprobs with the behaviour logprobs.
 
 Colocated on GPUs (``cluster.colocate``), trainer and engines take turns with the GPU memory (turns.py),
 unless the memory plan fits both on one GPU together (``cluster.colocate_offload``, config/memory.py).
@@ -31,7 +32,7 @@ Checkpoints (checkpoint.py): every ``save_every_steps`` steps or ``save_every_mi
 SIGUSR1 or SIGUSR2 (preempt.py; the step in progress finishes and is saved, ``run`` returns ``"preempted"``, a SLURM
 job requeues itself). The trainer ranks write theirs in the background (``checkpoint_in_background``); ``latest``
 moves at a later step boundary, once every file is on disk and in the manifest. ``resume=auto`` continues from the
-newest intact one: trainer state, prompt cursor, buffer, tracking step and (async mode) the next step's rollout.
+newest intact one: trainer state, prompt cursor, buffer, tracking step and (async mode) the rollouts started ahead.
 
 Between steps the driver answers requests to add, remove or list engines (``python -m slime_hydra.engines``,
 rollout/engine_requests.py). Debug modes: ``debug.mode=rollout_only`` generates and scores (saving every batch
@@ -43,6 +44,7 @@ import json
 import os
 import socket
 import time
+from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -178,7 +180,7 @@ class Session:
         if self.trainer is not None and self.manager is not None:
             self.trainer.connect_rollout(d.weight_sync, self.manager, cfg.train.weight_sync_bucket_mb, str(run_dir),
                                          d.engine_dtype, adapter=d.lora_sync == "adapter")
-        self.step, self.next_rollout = 0, None
+        self.step, self.rollouts_ahead = 0, deque()  # async: the next steps' rollouts, started (oldest first)
         self.timer, self.doctor = StepTimer(), None
         self.last_save = time.monotonic()  # save_every_minutes counts from the start, then from each save
         self.saving, self.write_time = None, None  # see finish_save
@@ -341,8 +343,7 @@ class Session:
         if self.debug == "train_only":
             with timer.phase("rollout"):
                 return load_saved_rollout(Path(self.cfg.debug.rollout_path), step), {}
-        future = self.next_rollout if self.next_rollout is not None else self.manager.generate_batch.remote()
-        self.next_rollout = None
+        future = self.rollouts_ahead.popleft() if self.rollouts_ahead else self.manager.generate_batch.remote()
         resends = 0
         while True:
             with timer.phase("rollout"):  # asking the manager whether it lost the weights is part of the wait
@@ -356,8 +357,10 @@ class Session:
                 resends += 1
         with timer.phase("rollout"):
             result = ray.get(future)
-        if self.cfg.mode == "async" and step + 1 < self.cfg.num_steps:
-            self.next_rollout = self.manager.generate_batch.remote()
+        ahead = self.rollouts_ahead  # async: the next max_staleness steps' rollouts (one at least) are on their way
+        while self.cfg.mode == "async" and len(ahead) < max(1, self.cfg.max_staleness) \
+                and step + 1 + len(ahead) < self.cfg.num_steps:
+            ahead.append(self.manager.generate_batch.remote())
         if self.cfg.debug.save_rollouts:
             save_rollout(self.run_dir / "rollouts", step + 1, result["samples"])
         metrics = dict(result["metrics"], **{"rollout/weight_resends": float(resends)})
@@ -429,13 +432,12 @@ class Session:
             if group is not None:
                 (ckpt / role).mkdir(exist_ok=True)
                 group.call("save", str(ckpt / role), self.cfg.checkpoint_in_background)
-        next_rollout = None
+        ahead = []
         if self.manager is not None:
-            if self.next_rollout is not None:  # async: finish the rollout already running and keep it
-                next_rollout = ray.get(self.next_rollout)
-                self.next_rollout = ray.put(next_rollout)
+            ahead = ray.get(list(self.rollouts_ahead))  # async: finish the rollouts started ahead and keep them
+            self.rollouts_ahead = deque(ray.put(batch) for batch in ahead)
             write_json(ckpt / "rollout.json", ray.get(self.manager.state_dict.remote()))
-        write_json(ckpt / "loop.json", {"step": self.step, "next_rollout": next_rollout})
+        write_json(ckpt / "loop.json", {"step": self.step, "rollouts_ahead": ahead})
         self.saving, self.last_save = ckpt, time.monotonic()
         if wait or not self.cfg.checkpoint_in_background:
             self.finish_save(wait=True)
@@ -477,8 +479,8 @@ class Session:
             self.critic.call("load", str(ckpt / "critic"))
         if self.manager is not None:
             ray.get(self.manager.load_state_dict.remote(json.loads((ckpt / "rollout.json").read_text())))
-            if meta.get("next_rollout") is not None:
-                self.next_rollout = ray.put(meta["next_rollout"])
+            ahead = meta.get("rollouts_ahead", [meta.get("next_rollout")])  # older checkpoints: one, or null
+            self.rollouts_ahead = deque(ray.put(batch) for batch in ahead if batch is not None)
             if self.trainer is not None and self.step > 0:
                 self.trainer.push_weights(self.step)  # the engines restart from the initial weights
         print(f"resumed from {ckpt} after step {self.step}", flush=True)

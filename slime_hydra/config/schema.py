@@ -58,9 +58,10 @@ class SlimeConfig:
     seed: int = 42
     """Seed of model init, sampling and everything else random."""
     mode: str = choice("sync", MODES)
-    """sync (generate, then train) | async (generation of step k+1 overlaps training of step k)."""
+    """sync (generate, then train) | async (generation of the next steps overlaps training of step k)."""
     max_staleness: int = non_negative(1)
-    """async: a sample may be at most this many weight versions older than the trainer."""
+    """async: the rollouts of this many next steps (one at least) are started ahead of the trainer, and a sample is
+    at most this many weight versions older than the policy that trains on it."""
     sync_every_steps: int = positive(1)
     """Push trainer weights to the engines every N rollout steps."""
     save_every_steps: int = non_negative(0)

@@ -145,6 +145,8 @@ class RolloutManager:
         self._reported: dict[str, float] = {}
         self.in_flight = InFlight()
         """Generations and reward groups in flight, for the stall doctor (stall_probe)."""
+        self.one_batch_at_a_time = asyncio.Lock()
+        """Held while a batch is made: each draws its prompts and takes its groups from the buffer in turn."""
         self.gc_times = heap.GcTimes()
         """This actor's garbage collections (``perf/rollout_gc_time``; its heap is frozen once started)."""
 
@@ -233,7 +235,12 @@ class RolloutManager:
         return samples
 
     async def generate_batch(self) -> dict:
-        """One training batch of rollout.batch_prompts groups; returns {"samples": [dict], "metrics": {...}}."""
+        """One training batch of rollout.batch_prompts groups; returns {"samples": [dict], "metrics": {...}}. Batches
+        are made one at a time, in the order asked for (in async mode the loop asks up to max_staleness ahead)."""
+        async with self.one_batch_at_a_time:
+            return await self._generate_batch()
+
+    async def _generate_batch(self) -> dict:
         self.pool.raise_if_failed()
         start = time.monotonic()
         batch_prompts = self.rollout.batch_prompts

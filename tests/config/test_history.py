@@ -30,7 +30,7 @@ def run_with_checkpoint(root: Path, *overrides: str, step: int = 6) -> Path:
     run = root / "r"
     ckpt = run / "checkpoints" / f"step_{step:06d}"
     ckpt.mkdir(parents=True)
-    (ckpt / "loop.json").write_text(json.dumps({"step": step, "next_rollout": None}))
+    (ckpt / "loop.json").write_text(json.dumps({"step": step, "rollouts_ahead": []}))
     (run / "checkpoints" / "latest").write_text(ckpt.name + "\n")
     resolved = compose([f"output_dir={root}", "run_name=r", "num_steps=6", *overrides])
     (run / "resolved.yaml").write_text(OmegaConf.to_yaml(resolved, resolve=True))

@@ -22,7 +22,7 @@ def _write(run, step):
     ckpt = checkpoint_dir(run, step)
     (ckpt / "actor" / "dcp").mkdir(parents=True)
     (ckpt / "actor" / "dcp" / "__0_0.distcp").write_bytes(PAYLOAD)
-    write_json(ckpt / "loop.json", {"step": step, "next_rollout": None})
+    write_json(ckpt / "loop.json", {"step": step, "rollouts_ahead": []})
     return ckpt
 
 

@@ -50,7 +50,7 @@ def _fake_run(run: Path, model_path: Path, overrides: list[str]) -> Path:
     write_json(run / RUN_RECORD, {"outcome": "done", "model_path": str(model_path)})
     ckpt = checkpoint_dir(run, STEP)
     (ckpt / "actor").mkdir(parents=True)
-    write_json(ckpt / "loop.json", {"step": STEP, "next_rollout": None})
+    write_json(ckpt / "loop.json", {"step": STEP, "rollouts_ahead": []})
     mark_latest(run, ckpt)
     return ckpt / "actor"
 
