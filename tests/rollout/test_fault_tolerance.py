@@ -181,7 +181,6 @@ class Pair:
     the tests that leave both engines up and in the router, and the trainer's side of a sync: this process as rank 0
     of a one-rank gloo world, one ``WeightPusher`` per method. Each sync sends the next version of weights the
     engines do not hold: the tiny model's checkpoints of three seeds, in turn."""
-    cfg: object
     manager: object
     engines: list
     urls: list[str]
@@ -230,7 +229,7 @@ def pair(tmp_path_factory):
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        yield Pair(cfg, manager, engines, urls, read_api_key(tmp / "r"), tmp / "r",
+        yield Pair(manager, engines, urls, read_api_key(tmp / "r"), tmp / "r",
                    [str(resolve_model_path(cfg.model, cfg.data, seed=cfg.seed + k)) for k in range(3)])
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
