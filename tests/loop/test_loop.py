@@ -85,14 +85,41 @@ def rollout_logprob_gap(model_dir: Path, rollout: Path) -> tuple[float, int]:
     return sum(gaps) / len(gaps), len(gaps)
 
 
-def test_default_loop_runs_syncs_checkpoints_and_exports(tmp_path):
-    out = launch(f"output_dir={tmp_path}", "run_name=r", "num_steps=3", "rollout.eval_every_steps=3",
-                 "algo.kl_loss_coef=0.001",  # the tiny tuning drops the KL term; this test checks it
-                 "debug.save_rollouts=true",
-                 "save_every_minutes=1e-6", "keep_checkpoints=2",  # a save after every step, two kept
-                 *[a for a in SHAPE if a != "tracking.progress=false"])  # one progress line a step on stderr
-    assert out.returncode == 0, out.stderr[-4000:]
+@pytest.mark.own_ray_node
+def test_default_loop_runs_syncs_checkpoints_and_exports(tmp_path, model_cache):
+    """The README's `python launch.py` from a plain shell, on a Ray node of its own: without
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 exported, Ray (which reads it at import) rewrote the driver's 127.0.0.1
+    address to the machine's external one and the run waited forever; launch.py sets it before ray is imported.
+    Quiet (tracking.quiet=true), the run prints one line before it starts instead of the plan, which plan.txt keeps,
+    and neither Ray's INFO lines nor transformers' progress bars; its provenance is on disk."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_ADDRESS")}
+    env["SLIME_HYDRA_CACHE"] = model_cache
+    out = subprocess.run([sys.executable, str(PROJECT_ROOT / "launch.py"), f"output_dir={tmp_path}", "run_name=r",
+                          "num_steps=3", "rollout.eval_every_steps=3", "tracking.quiet=true",
+                          "algo.kl_loss_coef=0.001",  # the tiny tuning drops the KL term; this test checks it
+                          "debug.save_rollouts=true",
+                          "save_every_minutes=1e-6", "keep_checkpoints=2",  # a save after every step, two kept
+                          *[a for a in SHAPE if a != "tracking.progress=false"]],  # a progress line a step on stderr
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = tmp_path / "r"
+    assert f"run directory: {run} (the config in resolved.yaml, the plan in plan.txt)" in out.stdout
+    assert "Derived values" not in out.stdout and "Memory plan" not in out.stdout
+    assert "Connecting to existing Ray cluster" not in out.stdout + out.stderr  # Ray's own INFO lines stay quiet
+    printed = out.stdout + out.stderr + (run / "logs" / "engine_0.log").read_text()
+    assert "Loading weights" not in printed and "Writing model shards" not in printed  # transformers' bars
+    plan = (run / "plan.txt").read_text()
+    assert "Derived values" in plan and "Memory plan (estimates" in plan and f"run directory: {run}" in plan
+    resolved = yaml.safe_load((run / "resolved.yaml").read_text())
+    assert resolved["algo"]["kl_loss_coef"] == 0.001 and resolved["run_name"] == "r"
+    assert "algo.kl_loss_coef=0.001" in yaml.safe_load((run / "overrides.yaml").read_text())
+    git = (run / "git.txt").read_text()
+    assert git.startswith("sha: ") and "dirty: " in git
+    assert (run / "git.diff").exists()
+    versions = json.loads((run / "versions.json").read_text())
+    assert versions["torch"].startswith("2.") and versions["hydra-core"] == "1.3.8"
+
     rows = train_rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3]                         # steps count from 1
     first = rows[0]
