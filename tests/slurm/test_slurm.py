@@ -87,10 +87,16 @@ def test_two_tasks_form_one_ray_cluster(tmp_path):
     assert record["job_id"] == job.job_id and Path(record["submitit_folder"]).parent == tmp_path / "ray" / "slurm"
 
 
+NASTY = 'q a"b $(touch HACKED) ; echo x'
+"""A directory name with spaces, quotes, $(...) and ; (the sweep's jobs run in it, and the shell-syntax test's dry run
+renders it)."""
+
+
 def test_sweep_submits_every_point_as_its_own_job(tmp_path):
-    sweep_dir = tmp_path / "sweep"
+    """Also: the sweep's directory has shell syntax in its name (NASTY), which arrives literally in each job."""
+    sweep_dir = tmp_path / NASTY / "sweep"
     out = launch("-m", *CLUSTER, "cluster.job_body=tests.slurm.bodies.metrics", "num_steps=2,3", "seed=1,2",
-                 f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+                 f"hydra.sweep.dir='{sweep_dir}'", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("submitted SLURM job") == 4
     manifest = json.loads((sweep_dir / "sweep.json").read_text())
@@ -104,6 +110,10 @@ def test_sweep_submits_every_point_as_its_own_job(tmp_path):
     table = subprocess.run([sys.executable, "-m", "slime_hydra.status", str(sweep_dir)], capture_output=True,
                            text=True, timeout=30)
     assert table.returncode == 0 and table.stdout.count("COMPLETED") == 4
+    shown = subprocess.run(["scontrol", "show", "job", points[0]["job_id"]], capture_output=True, text=True,
+                           timeout=10).stdout
+    assert f"StdOut={points[0]['run_dir']}" in shown  # the job's log went to the literal directory
+    assert not list(tmp_path.rglob("HACKED")) and not (PROJECT_ROOT / "HACKED").exists()
 
 
 def test_sweep_refuses_before_submitting_when_any_point_is_invalid(tmp_path):
@@ -172,10 +182,11 @@ def test_time_limit_signal_requeues_and_the_job_resumes(tmp_path):
 
 
 def test_values_with_shell_syntax_arrive_literally(tmp_path):
-    """Spaces, quotes, $(...) and ; in the output directory (log paths, run dir) and in account/qos strings.
+    """Spaces, quotes, $(...) and ; in the output directory (log paths, run dir) and in account/qos strings render
+    quoted in the sbatch script (a real job in such a directory: the sweep test above).
 
     run_name (the job name) is refused unless it is a plain directory name, so shell syntax cannot come that way."""
-    nasty = 'q a"b $(touch HACKED) ; echo x'
+    nasty = NASTY
     refused = launch(*CLUSTER, f"run_name='{nasty}'", "dry_run=true", cwd=tmp_path)
     assert refused.returncode == 2 and "[run_name]" in refused.stderr and "plain directory name" in refused.stderr
 
@@ -188,14 +199,4 @@ def test_values_with_shell_syntax_arrive_literally(tmp_path):
     assert shlex.split(lines["#SBATCH --qos"]) == ["a b;c"]
     assert shlex.split(lines["#SBATCH --job-name"]) == ["quoted"]
     assert shlex.split(lines["#SBATCH --output"])[0].startswith(str(out / "quoted"))
-
-    real = launch(*CLUSTER, "cluster.job_body=tests.slurm.bodies.metrics", "num_steps=1", "run_name=quoted",
-                  f"output_dir='{out}'", cwd=tmp_path)
-    assert real.returncode == 0, real.stderr
-    run_dir = out / "quoted"
-    job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
-    wait_until(lambda: state_of(run_dir).state == "COMPLETED", 90, "the job to complete", poll_s=1)
-    assert (run_dir / "metrics.jsonl").exists()  # the body ran in the literal directory
-    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=10).stdout
-    assert f"StdOut={run_dir}" in shown
     assert not list(tmp_path.rglob("HACKED")) and not (PROJECT_ROOT / "HACKED").exists()
