@@ -1,8 +1,11 @@
 """Registers every group's schema in Hydra's ConfigStore, in one place.
 
-Each YAML under ``conf/<group>/`` starts with ``defaults: [base_<group>, _self_]``, so its keys are typed and a
-misspelt key fails at composition. ``GROUP_SCHEMAS`` is also what config/keys.py walks to refuse unknown keys
-added with ``+``/``++`` and to suggest the nearest valid name.
+``base_config`` (the root schema, first in ``conf/config.yaml``'s defaults) types every group's slice, so an option
+YAML under ``conf/<group>/`` merges into its typed slice and a misspelt key fails at composition. Each group's
+schema is also stored as ``base_<group>``, for a site's own file that starts with ``defaults: [base_<group>,
+_self_]`` (the shipped options leave that out: the schema loaded again for every group made each composition ~30%
+slower). ``GROUP_SCHEMAS`` is also what config/keys.py walks to refuse unknown keys added with ``+``/``++`` and to
+suggest the nearest valid name.
 """
 
 from hydra.core.config_store import ConfigStore

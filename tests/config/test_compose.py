@@ -1,6 +1,7 @@
 """Every group option and every recipe composes and validates; derived values follow their formulas."""
 
 import re
+import shutil
 
 import pytest
 import yaml
@@ -40,11 +41,28 @@ def _options(group: str) -> list[str]:
 ALL_OPTIONS = [(g, o) for g in GROUP_SCHEMAS for o in _options(g)]
 
 
-def test_every_group_has_options_and_a_schema_default():
+def test_every_group_has_options_and_its_options_are_typed_by_the_schema(tmp_path):
+    """An option YAML merges into its group's typed slice of the root schema (base_config): a misspelt key and a value
+    of the wrong type in an option file fail at composition, naming the file and the key. The shipped options do not
+    load their group's schema again (``defaults: [base_<group>, _self_]``, which a site's own file may keep)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
     assert {g for g, _ in ALL_OPTIONS} == set(GROUP_SCHEMAS)
-    for group, option in ALL_OPTIONS:
-        first = (CONF / group / f"{option}.yaml").read_text()
-        assert f"defaults: [base_{group}, _self_]" in first, f"conf/{group}/{option}.yaml must start from the schema"
+    assert not [f"{g}={o}" for g, o in ALL_OPTIONS if "base_" in (CONF / g / f"{o}.yaml").read_text()]
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "model" / "typo.yaml").write_text("name: typo\nnum_layer: 4\n")
+    (conf / "model" / "wrong_type.yaml").write_text("name: wrong_type\nhidden_size: wide\n")
+    (conf / "cluster" / "site.yaml").write_text("defaults: [base_cluster, _self_]\nscheduler: slurm\n")
+    compose()  # registers the schemas
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        for option, says in (("typo", "Key 'num_layer' not in 'ModelConfig'"),
+                             ("wrong_type", "Value 'wide' of type 'str' could not be converted to Integer")):
+            with pytest.raises(ConfigCompositionException) as refused:
+                hydra_compose("config", overrides=[f"model={option}"])
+            assert f"In 'model/{option}'" in str(refused.value) and says in str(refused.value), str(refused.value)
+        assert hydra_compose("config", overrides=["cluster=site"]).cluster.scheduler == "slurm"
 
 
 @pytest.mark.parametrize("group,option", ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
