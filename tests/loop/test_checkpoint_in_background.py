@@ -6,7 +6,6 @@ in test_chaos.py."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,11 +33,12 @@ def _latest(run: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory) -> tuple[Path, int]:
+def resumed(tmp_path_factory) -> tuple[Path, int, str, int]:
     """A run that saves after every step in the background, with the write of checkpoint 4's trainer files held (the
     writer waits on a file, HOLD_ENV): it trains step 5 meanwhile and then waits at step 5's save, for that write.
     SIGKILLed (its process group) there, ``latest`` still names checkpoint 3, checkpoint 4's folder has the loop's
-    files but not the trainer's; then run again to its end. Its run directory and the step it resumed after.
+    files but not the trainer's. Then checkpoint 3's trainer shard is cut in half, and the same command runs again to
+    its end: it must pass over both. Its run directory, the step it resumed after, its output and the shard's size.
 
     The run starts its own Ray node (this fixture is set up before the loop tests' shared-node environment), which
     is what lets HOLD_ENV reach the trainer rank through the environment."""
@@ -64,15 +64,19 @@ def resumed(tmp_path_factory) -> tuple[Path, int]:
     assert _latest(run) == "step_000003"
     assert json.loads((held / "loop.json").read_text())["step"] == 4 and (held / "rollout.json").exists()
     assert not (held / "actor" / "rank0.pt").exists() and not (held / "actor" / "trainer.json").exists()
+    shard = run / "checkpoints" / "step_000003" / "actor" / "dcp" / "__0_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
     out = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert (held / "actor" / "trainer.json").exists()  # written again, whole
-    return run, int(out.stdout.split(" after step ", 1)[1].split()[0])  # "resumed from <checkpoint> after step k"
+    after = int(out.stdout.split(" after step ", 1)[1].split()[0])  # "resumed from <checkpoint> after step k"
+    return run, after, out.stdout, size
 
 
 def test_saves_after_every_step_in_the_background_and_a_run_killed_with_a_write_held_resumes_exactly(resumed):
-    run, after = resumed
-    assert after == 3  # the newest complete checkpoint: 4's write was held when the run was killed
+    run, after, _, _ = resumed
+    assert after == 2  # checkpoint 4's write was held when the run was killed, and 3 is damaged (below)
     rows = train_rows(run)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert prompts_per_step(run, STEPS) == source_prompts(STEPS, *SMALL)  # the data source's order, from the top
@@ -88,21 +92,14 @@ def test_saves_after_every_step_in_the_background_and_a_run_killed_with_a_write_
         "step_000004", "step_000005", "step_000006"]  # keep_checkpoints=3
 
 
-def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(resumed, tmp_path):
-    """A copy of the resumed run (above) with its newest checkpoint's trainer shard cut in half: the same command
-    resumes from the one before, says why, sets the damaged one aside and trains on exactly as an uninterrupted run
-    does."""
-    run = tmp_path / "r"
-    shutil.copytree(resumed[0], run)
-    shard = run / "checkpoints" / "step_000006" / "actor" / "dcp" / "__0_0.distcp"
-    size = shard.stat().st_size
-    os.truncate(shard, size // 2)
-    out = subprocess.run(_command(tmp_path, "save_every_steps=1"), capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert (f"resuming from step_000005: {run}/checkpoints/step_000006 is damaged (actor/dcp/__0_0.distcp: "
-            f"{size // 2} bytes, manifest says {size})") in out.stdout
-    assert "step_000005 after step 5" in out.stdout  # "resumed from <run>/checkpoints/step_000005 after step 5"
-    assert [r["step"] for r in train_rows(run)] == list(range(1, STEPS + 1))
-    assert prompts_per_step(run, STEPS) == source_prompts(STEPS, *SMALL)
-    assert _latest(run) == "step_000006" and shard.stat().st_size == size  # written again, whole
-    assert [p.name.split("-")[0] for p in (run / "checkpoints" / "partial").iterdir()] == ["step_000006"]
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(resumed):
+    """The resumed run above: ``latest`` named checkpoint 3, whose trainer shard was cut in half; the command resumed
+    from the one before, said why, set the damaged one aside (with checkpoint 4's unfinished save) and trained on exactly
+    as an uninterrupted run does."""
+    run, _, stdout, size = resumed
+    assert (f"resuming from step_000002: {run}/checkpoints/step_000003 is damaged (actor/dcp/__0_0.distcp: "
+            f"{size // 2} bytes, manifest says {size})") in stdout
+    assert "step_000002 after step 2" in stdout  # "resumed from <run>/checkpoints/step_000002 after step 2"
+    # set aside before the first save: the damaged checkpoint and the unfinished save of step 4
+    assert sorted(p.name.split("-")[0] for p in (run / "checkpoints" / "partial").iterdir()) == [
+        "step_000003", "step_000004"]

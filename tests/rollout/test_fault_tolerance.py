@@ -8,10 +8,11 @@ that kept older weights shows in the greedy tokens:
   registered in the router again, and serves the next batch;
 - an engine killed between two broadcast syncs (weight_sync=distributed): the broadcast group is formed again with
   every engine;
-- an engine killed in the middle of a sync, by each CPU method.
+- an engine killed in the middle of a sync, by each CPU method;
+- last, an engine's Ray actor killed: the health checks and the next batch stop, naming it.
 Tests with a manager of their own: with one engine, a failed request is retried once the engine is back, and when
-the restart fails the error names the engine and why; an engine's Ray actor killed; an engine killed after a LoRA
-adapter sync by disk, whose restart loads the named adapter again.
+the restart fails the error names the engine and why; an engine killed after a LoRA adapter sync by disk, whose
+restart loads the named adapter again.
 """
 
 import asyncio
@@ -85,26 +86,6 @@ def test_generate_retries_after_a_restart_then_fails_naming_the_engine(tmp_path)
         # the engine's own words: the restarted server could not bind its port
         tail = message.split("engine_0.log, its last traceback:\n", 1)[1]
         assert tail.startswith("  File ") and f"address ('127.0.0.1', {port}): address already in use" in tail
-    finally:
-        ray.get(manager.shutdown.remote(), timeout=60)
-
-
-def test_an_engine_actor_that_dies_stops_the_health_checks_loudly_and_the_next_batch(tmp_path):
-    """The engine's Ray actor itself killed (Ray does not restart it): the periodic check fails, says so, and the
-    next batch raises the actor's death instead of generating without the engine."""
-    cfg = manager_config(tmp_path, "rollout.batch_prompts=2", "rollout.n_samples_per_prompt=2",
-                         "rollout.health_check_interval_s=0.2")
-    manager, engines, _ = start_manager(cfg, tmp_path / "r", num_engines=1)
-    try:
-        ray.kill(engines[0], no_restart=True)
-        deadline = time.monotonic() + 60
-        while "the health checks stopped" not in (report := ray.get(manager.stall_probe.remote())[1]):
-            assert time.monotonic() < deadline, report
-            time.sleep(0.1)
-        assert "ActorDiedError" in report
-        with pytest.raises(ray.exceptions.RayTaskError) as raised:
-            ray.get(manager.generate_batch.remote(), timeout=60)
-        assert "ActorDiedError" in str(raised.value) and "EngineActor" in str(raised.value)
     finally:
         ray.get(manager.shutdown.remote(), timeout=60)
 
@@ -354,3 +335,18 @@ def test_an_engine_killed_during_a_sync_costs_the_sync_nothing(pair, method):
     pair.both_up()
     back = pair.info()
     assert back[0]["greedy"] == back[1]["greedy"] not in (initial[0]["greedy"], synced["greedy"])
+
+
+def test_an_engine_actor_that_dies_stops_the_health_checks_loudly_and_the_next_batch(pair):
+    """The engine's Ray actor itself killed (Ray does not restart it): the periodic check fails, says so, and the
+    next batch raises the actor's death instead of generating without the engine. The pair's last test: its
+    manager cannot generate again."""
+    ray.kill(pair.engines[1], no_restart=True)
+    deadline = time.monotonic() + 60
+    while "the health checks stopped" not in (report := ray.get(pair.manager.stall_probe.remote())[1]):
+        assert time.monotonic() < deadline, report
+        time.sleep(0.1)
+    assert "ActorDiedError" in report
+    with pytest.raises(ray.exceptions.RayTaskError) as raised:
+        ray.get(pair.manager.generate_batch.remote(), timeout=60)
+    assert "ActorDiedError" in str(raised.value) and "EngineActor" in str(raised.value)
