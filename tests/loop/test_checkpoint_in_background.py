@@ -94,8 +94,8 @@ def test_saves_after_every_step_in_the_background_and_a_run_killed_with_a_write_
 
 def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_intact_one(resumed):
     """The resumed run above: ``latest`` named checkpoint 3, whose trainer shard was cut in half; the command resumed
-    from the one before, said why, set the damaged one aside (with checkpoint 4's unfinished save) and trained on exactly
-    as an uninterrupted run does."""
+    from the one before, said why, set the damaged one aside (with checkpoint 4's unfinished save) and trained on
+    exactly as an uninterrupted run does."""
     run, _, stdout, size = resumed
     assert (f"resuming from step_000002: {run}/checkpoints/step_000003 is damaged (actor/dcp/__0_0.distcp: "
             f"{size // 2} bytes, manifest says {size})") in stdout

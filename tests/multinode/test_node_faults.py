@@ -11,7 +11,7 @@ import pytest
 
 from tests.loop.test_engine_crash import cmdline
 from tests.multinode.conftest import FABRIC, wait_until
-from tests.multinode.test_two_nodes import SMALL, job_log, metrics, trained_steps
+from tests.multinode.test_two_nodes import SMALL, job_log, trained_rows, trained_steps
 
 pytestmark = [pytest.mark.multinode, pytest.mark.usefixtures("two_nodes")]
 
@@ -54,10 +54,6 @@ def test_a_node_that_never_joins_is_named_when_the_wait_ends(two_nodes, tmp_path
     assert "mnode2" in end["reason"] and "cluster.ray_wait_nodes_s=20" in end["reason"], end["reason"]
     assert took < 20 + 120, took  # the wait's bound, plus the job's start and end on a busy machine
     assert not trained_steps(run_dir)
-
-
-def trained_rows(run_dir) -> list[dict]:
-    return [row for row in metrics(run_dir) if "rollout/raw_reward" in row]
 
 
 def test_a_node_that_dies_mid_run_is_named_frees_the_allocation_and_the_same_command_resumes(two_nodes, tmp_path):

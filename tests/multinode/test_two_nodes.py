@@ -26,8 +26,12 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def trained_rows(run_dir: Path) -> list[dict]:
+    return [row for row in metrics(run_dir) if "rollout/raw_reward" in row]
+
+
 def trained_steps(run_dir: Path) -> list[int]:
-    return [row["step"] for row in metrics(run_dir) if "rollout/raw_reward" in row]
+    return [row["step"] for row in trained_rows(run_dir)]
 
 
 def job_log(run_dir: Path) -> str:
