@@ -38,7 +38,7 @@ from slime_hydra.model.hf import load_tokenizer
 from slime_hydra.model.warm_start import render_prompt
 from slime_hydra.rollout.engines import start_embedded_engine
 from slime_hydra.train.backend import init_distributed
-from slime_hydra.train.batch import collate
+from slime_hydra.train.batch import collate, response_logprobs
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.objectives import ActorLoss
 
@@ -61,21 +61,18 @@ def sample(url: str, prompts: list[list[int]], n: int, max_new_tokens: int) -> l
 
 def hf_logprobs(model_path: str, batch, dtype: torch.dtype, device: str, chunk: int = 16) -> torch.Tensor:
     """[B, T] logprobs of each sample's response tokens by plain transformers: one forward over the padded sequence
-    (SDPA), log-softmax in fp32, ``chunk`` samples at a time."""
+    (SDPA), the logits in fp32 through the trainer's own ``response_logprobs``, ``chunk`` samples at a time."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     out = torch.zeros(batch.loss_mask.shape)
-    lengths = batch.response_lengths.tolist()
     with torch.no_grad():
         for s in range(0, batch.size, chunk):
-            ids = batch.input_ids[s:s + chunk].to(device)
-            logp = model(input_ids=ids, attention_mask=batch.attention_mask[s:s + chunk].to(device)).logits
-            logp = logp.float().log_softmax(-1)
-            for i in range(ids.shape[0]):
-                start, r = int(batch.response_start[s + i]), lengths[s + i]
-                out[s + i, :r] = logp[i, start - 1:start - 1 + r].gather(-1, ids[i, start:start + r, None])[:, 0].cpu()
-            del logp
+            part = batch.select(range(s, min(s + chunk, batch.size)))
+            logits = model(input_ids=part.input_ids.to(device), attention_mask=part.attention_mask.to(device)).logits
+            logp, _ = response_logprobs(logits.float(), part.to(device))
+            out[s:s + part.size, :logp.shape[1]] = logp.cpu()
+            del logits
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
