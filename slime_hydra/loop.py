@@ -214,7 +214,7 @@ class Session:
         gpus = share if self.on_gpu else 0.0
         self.trainer = TrainGroup(self.pg, cfg.train.num_gpus, cfg.train.backend, self.model_path, cfg.train, total,
                                   cfg.algo.loss_agg, cfg.algo.needs_reference, gpus_per_rank=gpus, cpus_per_rank=1.0,
-                                  torch_threads=self.cpu_threads)
+                                  torch_threads=self.cpu_threads, batch_invariant=cfg.algo.true_on_policy)
         if cfg.algo.needs_critic:
             self.critic = TrainGroup(self.pg, cfg.train.num_gpus, cfg.train.backend, self.model_path, cfg.train,
                                      total, cfg.algo.loss_agg, False, gpus_per_rank=gpus / 2 if gpus else 0.0,
@@ -241,7 +241,7 @@ class Session:
         spec = EngineSpec(dict(model_path=str(self.model_path), log_dir=str(self.run_dir / "logs"),
                                dtype=d.engine_dtype, torch_threads=self.cpu_threads, sglang=sglang, lora=lora,
                                max_batch_size=cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt,
-                               return_routed_experts=cfg.algo.routing_replay))
+                               return_routed_experts=cfg.algo.routing_replay, batch_invariant=cfg.algo.true_on_policy))
         gpus = (0.5 if cfg.cluster.colocate else 1.0) if self.on_gpu else 0.0
         engines = [spec.make(i, gpus, PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=first
                                                                        + i * tp), gpu_ids[i])

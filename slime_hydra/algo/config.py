@@ -78,6 +78,11 @@ class AlgoConfig:
     engine chose for it (rollout routing replay), so rollout and training route alike; the engines report them
     (--enable-return-routed-experts). Off: the trainer's routers choose anew, and a near-tie that flips adds to
     the train-vs-rollout logprob gap."""
+    true_on_policy: bool = False
+    """The trainer's forward computes exactly what the engine computed for every response token: both run the
+    batch-invariant forward (model/invariant.py: fixed-shape matmuls, attention in the decode's form, the engine's
+    log-softmax), so train/train_rollout_logprob_abs_diff is 0.0 on a sync run. Dense models, an engine kind and a
+    train backend whose records allow it, no LoRA, nothing compiled; CPU only so far."""
     dynamic_filter: Optional[str] = None
     """Group filter for dynamic sampling: nonzero_std (DAPO) or a dotted path to fn(group) -> bool | (bool, reason)."""
     overlong_buffer_tokens: int = non_negative(0)

@@ -263,6 +263,37 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       "algo.routing_replay=false")
 
 
+def check_true_on_policy(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    """algo.true_on_policy needs both sides batch-invariant (model/invariant.py) and nothing that computes a token
+    otherwise: an engine kind and a train backend whose records say so, a dense model, no LoRA branch, nothing
+    compiled, and the CPU (the GPU's matmul kernels are not shown batch-invariant yet)."""
+    if not cfg.algo.true_on_policy:
+        return
+    off = "or set algo.true_on_policy=false"
+    engines = [k.name for k in ENGINE_KINDS.values() if k.batch_invariant]
+    if not ENGINE_KINDS[cfg.rollout.backend].batch_invariant:
+        yield Problem(("algo.true_on_policy", "rollout.backend"), f"rollout={cfg.rollout.backend} engines do not "
+                      "compute tokens batch-invariantly", f"use rollout={engines[0]}, {off}")
+    backends = [k.name for k in TRAIN_BACKEND_KINDS.values() if k.batch_invariant]
+    if not TRAIN_BACKEND_KINDS[cfg.train.backend].batch_invariant:
+        yield Problem(("algo.true_on_policy", "train.backend"), f"train={cfg.train.backend} has no batch-invariant "
+                      "forward", f"use train={backends[0]}, {off}")
+    if cfg.model.is_moe:
+        yield Problem(("algo.true_on_policy", "model.num_experts"), f"model={cfg.model.name} is a mixture of "
+                      "experts, whose expert matmuls the batch-invariant forward does not cover", off)
+    if cfg.train.lora.rank > 0:
+        yield Problem(("algo.true_on_policy", "train.lora.rank"), "LoRA's adapter branch is a second matmul that the "
+                      "engine's merged weights do not make", f"set train.lora.rank=0, {off}")
+    for key, value in (("train.compile", cfg.train.compile), ("train.cuda_graphs", cfg.train.cuda_graphs)):
+        if value:
+            yield Problem(("algo.true_on_policy", key), "compiled kernels fuse operations and round otherwise than "
+                          "the engine", f"set {key}=false, {off}")
+    if cfg.cluster.gpus_per_node:
+        yield Problem(("algo.true_on_policy", "cluster.gpus_per_node"), "the batch-invariant forward is measured on "
+                      "CPU only: GPU matmul kernels change with the batch (docs/benchmarks.md)",
+                      f"run on CPU (cluster.gpus_per_node=0), {off}")
+
+
 def check_paths(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     """No path starts with '~': only a shell expands it (not YAML, nor a quoted override), and the run would make or
     look for a folder literally called '~' in the working directory."""
@@ -365,7 +396,7 @@ def _divisor_near(n: int, target: int) -> int:
 
 RULES: tuple[Callable[[SlimeConfig, Derived], Iterator[Problem]], ...] = (
     check_batch, check_parallelism, check_backend, check_rollout, check_placement, check_lengths, check_algo,
-    check_tasks, check_lora, check_schedule, check_paths, check_memory,
+    check_true_on_policy, check_tasks, check_lora, check_schedule, check_paths, check_memory,
 )
 
 

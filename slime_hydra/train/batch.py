@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from slime_hydra.model.invariant import scaled_log_softmax
 from slime_hydra.routed_experts import NO_EXPERT
 
 
@@ -217,7 +218,8 @@ class BatchLogprobs:
         return self.logp.cpu(), (self.entropy.cpu() if self.with_entropy else None)
 
 def response_logprobs(logits: torch.Tensor, batch: TrainBatch, temperature: float = 1.0,
-                      with_entropy: bool = False, first_position: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, first_position: int = 0,
+                      invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs (and entropy) of the response tokens, [B, T], 0 where loss_mask-padding.
 
     logp[i, j] = z[i, p, y] - logsumexp_v z[i, p, v],  z = logits / temperature, p = P_i + j - 1, y = input_ids[i, p + 1]
@@ -225,28 +227,36 @@ def response_logprobs(logits: torch.Tensor, batch: TrainBatch, temperature: floa
     logits[:, k] are the outputs at position first_position + k (a forward with logits_to_keep drops the leading
     prompt positions; first_position <= min_i P_i - 1). The per-position terms are [B, K] reductions over V that are
     gathered afterwards, so no B x T x V tensor is gathered, and the backward is a dense softmax, not a scatter.
+    invariant: the engine's formula (``position_logprobs``).
     """
     k = logits.shape[1]
     pos, valid = predicting_positions(batch, first_position + k)
     ids = batch.input_ids[:, first_position + 1 : first_position + 1 + k]
     following = torch.nn.functional.pad(ids, (0, k - ids.shape[1]))  # the token each kept position predicts
-    per_position, per_position_entropy = position_logprobs(logits, following, temperature, with_entropy)
+    per_position, per_position_entropy = position_logprobs(logits, following, temperature, with_entropy, invariant)
     col = pos - first_position
     logp = torch.gather(per_position, 1, col) * valid
     entropy = torch.gather(per_position_entropy, 1, col) * valid if with_entropy else None
     return logp, entropy
 
 
-def position_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def position_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                      invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per position of logits [..., V]: the logprob of targets [...] and the entropy (None without), fp32:
-    z[y] - logsumexp(z) and logsumexp(z) - sum_v softmax(z)_v z_v, z = logits / temperature.
+    z[y] - logsumexp(z) and logsumexp(z) - sum_v softmax(z)_v z_v, z = logits / temperature. ``invariant``
+    (algo.true_on_policy): the logprob is ``log_softmax(z)[y]`` as the engine computes it
+    (model/invariant.scaled_log_softmax), which rounds otherwise; it keeps a [..., V] fp32 tensor for the backward.
 
     Under torch.compile z[y] is read as sum_v [v = y] z_v, which is exactly z[y]: inductor computes it in the
     logsumexp's pass over V, and its backward is pointwise, fused into the softmax's. A gather's backward scatters
     into a dense zero [..., V] fp32 tensor that the softmax backward then reads. On one H200, forward and backward of
     8 x 769 positions of a 152k vocabulary took 3.78 ms with the gather, 2.60 ms so (median of 10). Eager keeps the
     gather, which makes no [..., V] temporaries."""
+    if invariant:
+        z = scaled_log_softmax(logits, temperature)
+        logp = torch.gather(z, -1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = -(z.exp() * z).sum(-1) if with_entropy else None
+        return logp, entropy
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature

@@ -44,6 +44,7 @@ trains fully.
 """
 
 import copy
+import functools
 import json
 from contextlib import nullcontext
 from pathlib import Path
@@ -58,6 +59,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from slime_hydra.durable import write_json
+from slime_hydra.model import invariant
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, response_logprobs, response_values, split_to_count)
 from slime_hydra.train.packing import ATTENTION, pack, packed_logprobs, packed_values, register_attention
@@ -76,8 +78,10 @@ from slime_hydra.train.lora import merged_weights, peft_adapter_weights, peft_co
 class FSDPBackend(TrainBackend):
     def __init__(self, model_path: str | Path, train: TrainConfig, total_steps: int, loss_agg: str = "token_mean",
                  keep_reference: bool = False, device: str | None = None, role: str = "actor",
-                 fsdp: bool | None = None):
-        """``fsdp``: wrap the model with FSDP2; None wraps it when there is more than one rank."""
+                 fsdp: bool | None = None, batch_invariant: bool = False):
+        """``fsdp``: wrap the model with FSDP2; None wraps it when there is more than one rank. ``batch_invariant``
+        (algo.true_on_policy): the engine's batch-invariant forward and logprobs (model/invariant.py), never
+        compiled."""
         if not dist.is_initialized():
             raise RuntimeError("FSDPBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         self.train_cfg, self.loss_agg = train, loss_agg
@@ -90,9 +94,12 @@ class FSDPBackend(TrainBackend):
         low = compute_dtype(train, self.device)
         self.lora = train.lora.enabled and role == "actor"
         self.packed = train.pack_sequences
-        if self.packed:
-            register_attention()
-        attention = ATTENTION if self.packed else "sdpa"
+        if batch_invariant:
+            attention = invariant.register_attention()
+        elif self.packed:
+            attention = register_attention()
+        else:
+            attention = "sdpa"
         if role == "critic":  # PPO's value model: the same trunk with a fresh 1-output head ("score")
             config = AutoConfig.from_pretrained(model_path, num_labels=1, classifier_dropout=0.0)  # deterministic
             model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, dtype=torch.float32,
@@ -100,6 +107,8 @@ class FSDPBackend(TrainBackend):
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=low if self.lora else torch.float32,
                                                          attn_implementation=attention)
+        if batch_invariant:
+            invariant.make_batch_invariant(model)
         if train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         hf = model
@@ -111,8 +120,10 @@ class FSDPBackend(TrainBackend):
         model.to(self.device)
         # MoE actors: every forward can replay the engine's routing (batch.routed_experts, algo.routing_replay)
         self.replay = RoutingReplay(hf.model.layers) if role == "actor" and moe_routers(hf.model.layers) else None
-        self.compiled = train.compile if train.compile is not None else self.device.type == "cuda"
+        self.compiled = not batch_invariant and (train.compile if train.compile is not None
+                                                 else self.device.type == "cuda")
         head = packed_logprobs if self.packed else response_logprobs
+        head = functools.partial(head, invariant=True) if batch_invariant else head
         self._head = torch.compile(head) if self.compiled else head
         if self.compiled:  # the forward only: FSDP's hooks (dynamo-disabled) run eagerly around it
             allow_recompiles(16)

@@ -40,7 +40,7 @@ class TrainRank:
 
     def setup(self, rank: int, world: int, master: tuple[str, int], backend: str, model_path: str,
               train: TrainConfig, total_steps: int, loss_agg: str, keep_reference: bool, role: str,
-              torch_threads: int | None) -> None:
+              torch_threads: int | None, batch_invariant: bool = False) -> None:
         from slime_hydra.train.backend import init_distributed
 
         assigned = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
@@ -49,6 +49,8 @@ class TrainRank:
         module, name = TRAIN_BACKEND_KINDS[backend].cls.rsplit(".", 1)  # a rank imports its one backend
         Backend = getattr(importlib.import_module(module), name)
         kwargs = {"role": role} if role != "actor" else {}
+        if batch_invariant:  # algo.true_on_policy (a backend whose record allows it: config/rules.py)
+            kwargs["batch_invariant"] = True
         self.backend = Backend(model_path, train, total_steps, loss_agg=loss_agg, keep_reference=keep_reference,
                                **kwargs)
         self.pusher = None
@@ -87,8 +89,9 @@ class TrainGroup:
     def __init__(self, pg: PlacementGroup, num_ranks: int, backend: str, model_path: str | Path, train: TrainConfig,
                  total_steps: int, loss_agg: str, keep_reference: bool, gpus_per_rank: float = 0.0,
                  bundle_offset: int = 0, role: str = "actor", cpus_per_rank: float = 1.0,
-                 torch_threads: int | None = None):
-        """torch_threads: CPU threads of each rank's torch ops; None means the CPUs Ray assigned it."""
+                 torch_threads: int | None = None, batch_invariant: bool = False):
+        """torch_threads: CPU threads of each rank's torch ops; None means the CPUs Ray assigned it.
+        batch_invariant: the ranks' forward is the batch-invariant one (algo.true_on_policy)."""
         actor_cls = ray.remote(TrainRank)
         self.ranks = [
             actor_cls.options(
@@ -99,7 +102,8 @@ class TrainGroup:
         ]
         master = ray.get(self.ranks[0].address.remote())
         ray.get([r.setup.remote(i, num_ranks, master, backend, str(model_path), train, total_steps, loss_agg,
-                                keep_reference, role, torch_threads) for i, r in enumerate(self.ranks)])
+                                keep_reference, role, torch_threads, batch_invariant)
+                 for i, r in enumerate(self.ranks)])
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """A critic group's [B, T] values V(s_j) of the states before each response token, in batch order."""

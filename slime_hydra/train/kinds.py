@@ -40,6 +40,8 @@ class TrainBackendKind:
     """It trains LoRA adapters (train.lora.rank > 0)."""
     moe: bool
     """It trains mixture-of-experts families (a family record's ``moe``)."""
+    batch_invariant: bool = False
+    """Its forward can be the batch-invariant one of algo.true_on_policy (model/invariant.py)."""
     options_key: Optional[str] = None
     """The config key of its passthrough options (train.megatron), refused for any other backend."""
     rules: Optional[str] = None
@@ -61,7 +63,7 @@ def register(kind: TrainBackendKind) -> TrainBackendKind:
 
 
 register(TrainBackendKind("fsdp", "slime_hydra.train.fsdp.FSDPBackend", parallelism=(), sharding="fully_sharded",
-                          checkpoint_slots="any", packing=True, lora=True, moe=True))
+                          checkpoint_slots="any", packing=True, lora=True, moe=True, batch_invariant=True))
 register(TrainBackendKind("megatron", "slime_hydra.train.megatron.backend.MegatronBackend", parallelism=PARALLEL_DIMS,
                           sharding="model_parallel", checkpoint_slots="per_slot", packing=True, lora=True, moe=True,
                           options_key="train.megatron",

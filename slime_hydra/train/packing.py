@@ -117,12 +117,13 @@ def _bucket(lengths: list[int], offsets: list[int]) -> tuple[list[int], list[int
 
 
 def packed_logprobs(logits: torch.Tensor, packed: PackedBatch, temperature: float = 1.0,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool = False, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, T] logprobs (and entropy) from the logits [1, K, V] of the kept positions; 0 where not valid.
 
     logp = z[k, y_k] - logsumexp_v z[k, v], z = logits / temperature, y_k = targets[k]; entropy as
-    batch.response_logprobs."""
-    per_position, per_position_entropy = position_logprobs(logits[0], packed.targets, temperature, with_entropy)
+    batch.response_logprobs; invariant: the engine's formula (batch.position_logprobs)."""
+    per_position, per_position_entropy = position_logprobs(logits[0], packed.targets, temperature, with_entropy,
+                                                           invariant)
     logp = per_position[packed.index] * packed.valid
     return logp, (per_position_entropy[packed.index] * packed.valid if with_entropy else None)
 
@@ -185,8 +186,9 @@ def _sequence_of(cu_seqlens: torch.Tensor, position: torch.Tensor) -> torch.Tens
     return torch.searchsorted(cu_seqlens[1:], position, right=True)
 
 
-def register_attention() -> None:
-    """Make ``attn_implementation=ATTENTION`` available to transformers models (idempotent)."""
+def register_attention() -> str:
+    """Make ``attn_implementation=ATTENTION`` available to transformers models (idempotent); returns the name."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, packed_attention)
+    return ATTENTION

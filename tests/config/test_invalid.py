@@ -40,6 +40,13 @@ INVALID = [
     (("model=tiny_moe", "train=megatron", "train.num_gpus=2", "train.pp=2", "train.micro_batch_samples=1",
       "train.gradient_checkpointing=true", "algo.routing_replay=true"), "train.gradient_checkpointing",
      "routes again in the backward"),
+    # true on-policy: both sides batch-invariant, nothing that rounds otherwise
+    (("algo.true_on_policy=true", "train=megatron"), "train.backend", "use train=fsdp"),
+    ((*BIG, *GPU8, "rollout=sglang", "algo.true_on_policy=true"), "rollout.backend", "use rollout=embedded"),
+    (("algo.true_on_policy=true", "model=tiny_moe"), "model.num_experts", "mixture of experts"),
+    (("algo.true_on_policy=true", "train.lora.rank=4"), "train.lora.rank", "set train.lora.rank=0"),
+    (("algo.true_on_policy=true", "train.compile=true"), "train.compile", "set train.compile=false"),
+    ((*BIG, *GPU8, "algo.true_on_policy=true"), "cluster.gpus_per_node", "measured on CPU only"),
     # the grouped router (glm4_moe, deepseek_v3) and its megatron mapping
     ((*AIR, "model.moe_groups=3"), "model.moe_groups", "does not split num_experts=128"),
     ((*AIR, "model.moe_groups=128"), "model.moe_groups", "two best experts"),

@@ -48,12 +48,13 @@ class EngineActor:
     def __init__(self, index: int, model_path: str, log_dir: str, dtype: str = "auto", max_batch_size: int = 256,
                  torch_threads: Optional[int] = None, sglang: Optional[SGLangLaunch] = None,
                  gpu_ids: Optional[list[str]] = None, lora: Optional[dict] = None,
-                 return_routed_experts: bool = False):
+                 return_routed_experts: bool = False, batch_invariant: bool = False):
         """index: engine number (log name, SGLang seed offset); dtype, max_batch_size, torch_threads: embedded
         engine only; sglang: start this SGLang server instead of the embedded engine; gpu_ids: the engine's GPUs
         (``engine_gpu_ids``; default: the ones Ray assigned to this actor); lora: the embedded engine serves the
         model with these LoRA adapters (a PEFT adapter config; train.lora with adapter sync); return_routed_experts:
-        the embedded engine reports every token's experts (algo.routing_replay)."""
+        the embedded engine reports every token's experts (algo.routing_replay); batch_invariant: the embedded
+        engine computes every token as the batch-invariant trainer does (algo.true_on_policy)."""
         self.index, self.model_path, self.dtype = index, model_path, dtype
         self.gpu_ids = gpu_ids
         self.max_batch_size, self.log_dir = max_batch_size, Path(log_dir)
@@ -61,6 +62,7 @@ class EngineActor:
         self.sglang = sglang
         self.lora = lora
         self.return_routed_experts = return_routed_experts
+        self.batch_invariant = batch_invariant
         self.process: Optional[ServerProcess] = None
         self.port: Optional[int] = None
         self.nccl_port: Optional[int] = None
@@ -86,6 +88,7 @@ class EngineActor:
             device = "cuda" if gpu_ids else "cpu"
             extra = ["--lora-config", json.dumps(self.lora)] if self.lora else []
             extra += ["--enable-return-routed-experts"] if self.return_routed_experts else []
+            extra += ["--batch-invariant"] if self.batch_invariant else []
             return embedded_command(self.model_path, host, self.port, device, self.dtype, self.max_batch_size, extra)
         if len(gpu_ids) != self.sglang.tp_size:
             raise RuntimeError(f"engine {self.index} holds GPUs {gpu_ids} from its Ray placement but SGLang runs "
@@ -159,7 +162,7 @@ class EngineActor:
 @dataclass
 class EngineSpec:
     """The run's engine actors' arguments but the index and the GPUs (``EngineActor.__init__``'s model_path,
-    log_dir, dtype, max_batch_size, torch_threads, sglang, lora, return_routed_experts)."""
+    log_dir, dtype, max_batch_size, torch_threads, sglang, lora, return_routed_experts, batch_invariant)."""
     kwargs: dict
 
     def make(self, index: int, num_gpus: float, scheduling_strategy=None, gpu_ids: Optional[list[str]] = None):

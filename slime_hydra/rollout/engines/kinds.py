@@ -36,6 +36,8 @@ class EngineKind:
     """The largest rollout.gpus_per_engine (tensor parallel size) it runs; None: no limit of its own."""
     needs_gpu: bool
     """It cannot run on a CPU-only cluster."""
+    batch_invariant: bool = False
+    """It computes every token as the batch-invariant trainer does (algo.true_on_policy; model/invariant.py)."""
     options_key: Optional[str] = None
     """The config key of its passthrough options (rollout.sglang), refused for any other kind."""
     launcher: Optional[str] = None
@@ -57,7 +59,7 @@ def register(kind: EngineKind) -> EngineKind:
 register(EngineKind(
     "embedded", "a transformers model behind SGLang's protocol (rollout/engines/embedded/)",
     weight_syncs=("distributed", "tensor", "disk"), colocated_sync="tensor", adapters="any", routed_experts=True, memory="measured",
-    max_gpus_per_engine=1, needs_gpu=False))
+    max_gpus_per_engine=1, needs_gpu=False, batch_invariant=True))
 register(EngineKind(
     "sglang", "real SGLang servers (python -m sglang.launch_server; rollout/engines/sglang.py)",
     # CUDA IPC handles in the embedded engine's format, not SGLang's pickled one: colocated SGLang reloads from disk

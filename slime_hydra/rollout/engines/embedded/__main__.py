@@ -61,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="MoE models: answer every /generate with meta_info.routed_experts, the experts each layer "
                              "chose for every token run (slime_hydra/routed_experts.py), for routing replay")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="compute every token as the trainer of algo.true_on_policy does, whatever shares its "
+                             "batch (slime_hydra/model/invariant.py): logprobs equal the trainer's bit for bit; no "
+                             "CUDA graphs, torch.compile or stacked projections")
     parser.add_argument("--max-request-mb", type=int, default=4096, help="largest request body accepted")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
@@ -87,7 +91,8 @@ def main(argv=None) -> None:
                     torch_compile={"auto": None, "on": True, "off": False}[args.torch_compile],
                     context_length=args.context_length, tokenizer_path=args.tokenizer_path,
                     weight_version=args.weight_version, host=args.host, port=args.port, lora=args.lora_config,
-                    return_routed_experts=args.enable_return_routed_experts, freeze_heap=True)
+                    return_routed_experts=args.enable_return_routed_experts, freeze_heap=True,
+                    batch_invariant=args.batch_invariant)
     runner = engine.runner
     logger.info("loaded %s on %s (%s) in %.1f s; tokenizer: %s; pid %d", runner.model_path, runner.device,
                 runner.dtype, time.monotonic() - started, runner.tokenizer_path, os.getpid())

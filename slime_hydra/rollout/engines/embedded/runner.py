@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from slime_hydra.model.invariant import make_batch_invariant
 from slime_hydra.rollout.engines.embedded.protocol import Request, RequestError
 from slime_hydra.rollout.engines.embedded.routing import RoutingCapture
 from slime_hydra.rollout.engines.embedded.sampling import fused_draw, sample, score_prompt
@@ -42,13 +43,17 @@ class ModelRunner:
 
     def __init__(self, model_path: str, device: str, dtype: str, max_batch_size: int, context_length: Optional[int],
                  tokenizer_path: Optional[str], weight_version: str, cuda_graph: bool, lora: Optional[dict] = None,
-                 return_routed_experts: bool = False, torch_compile: Optional[bool] = None):
+                 return_routed_experts: bool = False, torch_compile: Optional[bool] = None,
+                 batch_invariant: bool = False):
         """torch_compile: compile the decoder layers' decode step (``graphs.compile_decode_layers``) and the plain
         sampler (None: on CUDA for models without MoE layers). lora: a PEFT LoRA adapter config (adapter_config.json's
         dict): its adapters are added to the model (B = 0, so the function is still the base model's until an update
         sets them) and kept in fp32, as the trainer's PEFT model keeps them: each adapted linear computes
         W x + (lora_alpha / r) B A x on the upcast input.
-        return_routed_experts: record the experts every MoE layer chose for every token run (routing.py)."""
+        return_routed_experts: record the experts every MoE layer chose for every token run (routing.py).
+        batch_invariant (algo.true_on_policy): every token computed as the trainer computes it, whatever shares its
+        batch (model/invariant.py): tiled linears, prefill attention in the decode form, no stacked projections,
+        nothing compiled or captured."""
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         from slime_hydra.model.hf import load_tokenizer
@@ -66,10 +71,14 @@ class ModelRunner:
                                                           attn_implementation=register_attention())
         if lora is not None:
             add_adapters(self.model, lora)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            make_batch_invariant(self.model)
+            cuda_graph, torch_compile = False, False
         self.model.eval().requires_grad_(False)
         self.memory = Releasable(self.device)
         """The weights' and the KV cache's device memory, which a release gives back (memory.py)."""
-        self.weights = Weights(self.model, self.memory, lora)
+        self.weights = Weights(self.model, self.memory, lora, stack=not batch_invariant)
         """The weights by name (placed on the device here): updates, named adapters, weight-update groups."""
         self._body, self._head = self.model.get_decoder(), self.model.get_output_embeddings()
         self.config = self.model.config
@@ -94,7 +103,7 @@ class ModelRunner:
         self._in_flight: Optional[tuple[list[Request], Any]] = None
         """The decode step launched but not taken in yet: its rows (the batch as it was) and its ``Drawn``."""
         self.kv = SlotKV(self.config, max_batch_size, self.dtype, self.device, self.context_length,
-                         lambda: self.memory.region("kv_cache"))
+                         lambda: self.memory.region("kv_cache"), per_position_prefill=batch_invariant)
         self.routing = RoutingCapture(self._body, max_batch_size, self.device) if return_routed_experts else None
         """Each MoE layer's choice of experts in the last model call (None: not recorded)."""
         moe = any(getattr(text, key, None) for key in ("num_experts", "n_routed_experts", "num_local_experts"))

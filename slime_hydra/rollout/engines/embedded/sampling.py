@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from slime_hydra.model.invariant import scaled_log_softmax
 from slime_hydra.rollout.engines.embedded.protocol import Request, SamplingParams
 
 
@@ -111,7 +112,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], fused=None) -> Drawn:
         tokens, chosen = fused(logits, scale)
         return Drawn(tokens, chosen, reqs, None)
     logits = logits.float()
-    logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
+    logprobs = scaled_log_softmax(logits, scale[:, None])
     sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if len(sampled) == len(reqs) and not any(r.params.truncates for r in reqs):  # the common case: no copies
         tokens = draw(logprobs.exp(), reqs)

@@ -67,11 +67,12 @@ class Engine:
                  context_length: Optional[int] = None, tokenizer_path: Optional[str] = None,
                  weight_version: str = "0", host: str = "127.0.0.1", port: int = 0, cuda_graph: bool = True,
                  lora: Optional[dict] = None, return_routed_experts: bool = False,
-                 torch_compile: Optional[bool] = None, freeze_heap: bool = False):
+                 torch_compile: Optional[bool] = None, freeze_heap: bool = False, batch_invariant: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         self.runner = ModelRunner(model_path, device, dtype, max_batch_size, context_length, tokenizer_path,
-                                  weight_version, cuda_graph, lora, return_routed_experts, torch_compile)
+                                  weight_version, cuda_graph, lora, return_routed_experts, torch_compile,
+                                  batch_invariant)
         self.max_batch_size = max_batch_size
         self.host, self.port = host, port
         self.paused = False

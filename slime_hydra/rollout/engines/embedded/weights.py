@@ -45,13 +45,13 @@ class Weights:
     """The model's weights by name, in the weights region of the engine's memory; the named adapters and the
     weight-update groups."""
 
-    def __init__(self, model: torch.nn.Module, memory: Releasable, lora: Optional[dict]):
-        """model: on the host; stacked and placed on ``memory``'s device here."""
+    def __init__(self, model: torch.nn.Module, memory: Releasable, lora: Optional[dict], stack: bool = True):
+        """model: on the host; stacked (unless not ``stack``) and placed on ``memory``'s device here."""
         self.device = memory.device
         self.memory = memory
         self.lora = lora
         """The adapter config the model is served with (None: no adapters)."""
-        self.stacked = stacking.stack(model)
+        self.stacked = stacking.stack(model) if stack else []
         """The modules whose sibling projections run as one matmul."""
         with memory.region("weights"):
             place(model, self.device)

@@ -1,0 +1,75 @@
+"""algo.true_on_policy on CPU (model/invariant.py): the batch-invariant engine samples responses whose requests share
+prefills and decode steps in changing company (more requests than slots, prompts of 3 to 100 tokens, responses
+finishing at different steps), and the batch-invariant trainer's logprobs of those tokens are the engine's, bit for
+bit: padded and packed micro-batches of other sizes, one rank and two FSDP ranks. Without the mode, the same
+comparison is not exact (the mode is what makes it so)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from slime_hydra.rollout.engines.embedded.scheduler import Engine
+from slime_hydra.train.batch import collate
+from slime_hydra.train.config import TrainConfig
+from slime_hydra.train.fsdp import FSDPBackend
+from tests.train.harness import run_ranks, tiny_checkpoint
+
+TEMPERATURE = 0.8
+CASES = [(3, 40), (17, 6), (100, 20), (5, 25), (40, 3), (9, 30), (64, 9), (4, 1), (30, 16)]
+"""(prompt tokens, max_new_tokens): nine requests through four slots."""
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_checkpoint()
+
+
+def generate(path, batch_invariant: bool) -> list[tuple[list[int], list[int], list[float]]]:
+    """(prompt, response, engine logprobs) of each case, sampled with a seed per request."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n, _ in CASES]
+
+    async def run():
+        engine = Engine(str(path), max_batch_size=4, batch_invariant=batch_invariant)
+        await engine.start()
+        try:
+            reqs = [engine.make_request(p, {"temperature": TEMPERATURE, "max_new_tokens": m, "ignore_eos": True,
+                                            "sampling_seed": i}, None, True, -1, 0, False)
+                    for i, (p, (_, m)) in enumerate(zip(prompts, CASES))]
+            engine.submit(reqs)
+            return await asyncio.gather(*(r.future for r in reqs)), engine.runner.peak_running
+        finally:
+            await engine.stop()
+
+    outs, peak = asyncio.run(run())
+    assert peak == 4
+    return [(p, o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+            for p, o in zip(prompts, outs)]
+
+
+def _trainer_logprobs(rank, world, path, samples, batch_invariant, packed):
+    train = TrainConfig(dtype="fp32", micro_batch_samples=2, pack_sequences=packed)
+    backend = FSDPBackend(path, train, total_steps=1, batch_invariant=batch_invariant)
+    batch = collate([p + r for p, r, _ in samples], [len(r) for _, r, _ in samples],
+                    [[1] * len(r) for _, r, _ in samples], pad_id=0)
+    logp, _ = backend.logprobs(batch, temperature=TEMPERATURE)
+    return logp
+
+
+def differences(samples, logp) -> list[float]:
+    return [abs(float(logp[i, j]) - engine) for i, (_, r, lps) in enumerate(samples) for j, engine in enumerate(lps)]
+
+
+@pytest.mark.parametrize("world,packed", [(1, False), (1, True), (2, True)], ids=["padded", "packed", "fsdp-dp2"])
+def test_trainer_logprobs_equal_the_engines_bit_for_bit(model_dir, world, packed):
+    samples = generate(model_dir, batch_invariant=True)
+    assert sum(len(r) for _, r, _ in samples) == sum(m for _, m in CASES)
+    logp = run_ranks(world, _trainer_logprobs, model_dir, samples, True, packed)[0]
+    assert max(differences(samples, logp)) == 0.0
+
+
+def test_without_the_mode_the_logprobs_differ_by_rounding(model_dir):
+    samples = generate(model_dir, batch_invariant=False)
+    gaps = differences(samples, run_ranks(1, _trainer_logprobs, model_dir, samples, False, True)[0])
+    assert 0.0 < max(gaps) < 1e-4
