@@ -241,7 +241,7 @@ class Session:
         spec = EngineSpec(dict(model_path=str(self.model_path), log_dir=str(self.run_dir / "logs"),
                                dtype=d.engine_dtype, torch_threads=self.cpu_threads, sglang=sglang, lora=lora,
                                max_batch_size=cfg.rollout.batch_prompts * cfg.rollout.n_samples_per_prompt,
-                               return_routed_experts=cfg.algo.routing_replay, batch_invariant=cfg.algo.true_on_policy))
+                               return_routed_experts=cfg.algo.routing_replay, batch_invariant=d.batch_invariant_engines))
         gpus = (0.5 if cfg.cluster.colocate else 1.0) if self.on_gpu else 0.0
         engines = [spec.make(i, gpus, PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=first
                                                                        + i * tp), gpu_ids[i])

@@ -250,8 +250,9 @@ class RolloutBuffer:
         self._finished_at_last_request = self._step["finished"]
         return Request(resume, size - len(resume), self._rounds)
 
-    def take_batch(self, batch_prompts: int) -> BufferBatch:
-        """The oldest batch_prompts kept groups, topped up from the reserve if short; starts the next step.
+    def take_batch(self, batch_prompts: int, by_index: bool = False) -> BufferBatch:
+        """The oldest batch_prompts kept groups, topped up from the reserve if short; starts the next step. by_index
+        (deterministic=true): oldest by group index, and the batch in that order; else in the order they finished.
 
         Call it once request() returns None. Kept groups beyond batch_prompts stay for the next step; the reserve
         is emptied. Raises RuntimeError (changing nothing) when even the reserve cannot fill the batch.
@@ -260,6 +261,9 @@ class RolloutBuffer:
         if short > len(self._reserve):
             raise RuntimeError(f"cannot fill a batch of {batch_prompts} groups: {len(self._kept)} kept + "
                                f"{len(self._reserve)} filtered; call request() until it returns None first")
+        if by_index:
+            self._kept.sort(key=lambda g: g[0].group_index)
+            self._reserve.sort(key=lambda g: g[0].group_index)
         groups = self._kept[:batch_prompts] + self._reserve[:short]
         self._kept = self._kept[batch_prompts:]
         self._reserve = []

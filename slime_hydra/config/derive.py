@@ -11,6 +11,7 @@
     weight_sync = train.weight_sync, with auto resolved from the placement and the engine kind
     lora_sync   = train.lora.sync with auto resolved (adapter to separate embedded engines without trained biases,
                   else merged), or None
+    batch_invariant_engines = algo.true_on_policy or deterministic (model/invariant.py)
 
 ``derive`` assumes the counts are positive; config/rules.py checks that first and only then derives.
 """
@@ -55,6 +56,8 @@ class Derived:
     """How weights reach the engines: one of train/config.WEIGHT_SYNC_METHODS (``auto`` resolved)."""
     lora_sync: str | None = None
     """What a LoRA policy sends: merged | adapter (train/config.LORA_SYNC); None without LoRA."""
+    batch_invariant_engines: bool = False
+    """The engines compute every token whatever shares its batch (algo.true_on_policy, deterministic)."""
 
 
 def bundle_nodes(cfg: SlimeConfig, d: Derived) -> list[int]:
@@ -155,4 +158,5 @@ def derive(cfg: SlimeConfig) -> Derived:
         engine_dtype="bfloat16" if cfg.cluster.gpus_per_node > 0 and cfg.train.dtype == "bf16" else "float32",
         weight_sync=resolve_weight_sync(cfg.train.weight_sync, cfg.cluster.colocate, cfg.rollout.backend, lora_sync),
         lora_sync=lora_sync,
+        batch_invariant_engines=cfg.algo.true_on_policy or cfg.deterministic,
     )

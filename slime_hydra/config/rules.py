@@ -294,6 +294,29 @@ def check_true_on_policy(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"run on CPU (cluster.gpus_per_node=0), {off}")
 
 
+def check_deterministic(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    """deterministic=true: nothing that timing decides. Batch-invariant engines (what shares a batch changes no
+    token), sync mode (a sync landing mid-rollout changes the weights of the requests after it), every prompt sent
+    trained (over-sampling aborts the slowest groups), and the CPU (as algo.true_on_policy)."""
+    if not cfg.deterministic:
+        return
+    off = "or set deterministic=false"
+    if not ENGINE_KINDS[cfg.rollout.backend].batch_invariant:
+        yield Problem(("deterministic", "rollout.backend"), f"rollout={cfg.rollout.backend} engines do not compute "
+                      "tokens batch-invariantly", f"use rollout="
+                      f"{next(k.name for k in ENGINE_KINDS.values() if k.batch_invariant)}, {off}")
+    if cfg.mode != "sync":
+        yield Problem(("deterministic", "mode"), "in async mode a weight sync lands mid-rollout, when timing says",
+                      f"set mode=sync, {off}")
+    over = cfg.rollout.over_sampling_batch_prompts
+    if over is not None and over > cfg.rollout.batch_prompts:
+        yield Problem(("deterministic", "rollout.over_sampling_batch_prompts"), "over-sampling aborts the groups that "
+                      "finish last, which timing decides", f"set rollout.over_sampling_batch_prompts=null, {off}")
+    if cfg.cluster.gpus_per_node:
+        yield Problem(("deterministic", "cluster.gpus_per_node"), "batch-invariant engines are measured on CPU only "
+                      "(docs/loop.md, true on-policy)", f"run on CPU (cluster.gpus_per_node=0), {off}")
+
+
 def check_paths(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     """No path starts with '~': only a shell expands it (not YAML, nor a quoted override), and the run would make or
     look for a folder literally called '~' in the working directory."""
@@ -396,7 +419,7 @@ def _divisor_near(n: int, target: int) -> int:
 
 RULES: tuple[Callable[[SlimeConfig, Derived], Iterator[Problem]], ...] = (
     check_batch, check_parallelism, check_backend, check_rollout, check_placement, check_lengths, check_algo,
-    check_true_on_policy, check_tasks, check_lora, check_schedule, check_paths, check_memory,
+    check_true_on_policy, check_deterministic, check_tasks, check_lora, check_schedule, check_paths, check_memory,
 )
 
 

@@ -67,7 +67,8 @@ def placement_lines(cfg: SlimeConfig, d: Derived) -> list[str]:
     if cfg.debug.mode != "train_only":
         where = "the 'train' bundles" if cfg.cluster.colocate else f"placement group 'rollout': {d.rollout_gpus} x {bundle}"
         lines.append(f"  {where} -> {d.num_engines} {cfg.rollout.backend} engine(s) of "
-                     f"{cfg.rollout.gpus_per_engine}, behind sglang-router ({cfg.rollout.router_policy})")
+                     f"{cfg.rollout.gpus_per_engine}{', batch-invariant' if d.batch_invariant_engines else ''}, "
+                     f"behind sglang-router ({cfg.rollout.router_policy})")
         lines.append("  rollout manager actor: data source, buffer, reward "
                      f"'{cfg.reward.name}', router; {cfg.num_steps} rollout steps")
     if d.nodes > 1 and d.total_gpus > MAX_LISTED:

@@ -19,6 +19,7 @@ budget is spent), ``abort`` -> aborted (the buffer recycles or drops it). A resu
 ``weight_version`` (that of its first token); ``max_new_tokens`` is what is left of the budget.
 """
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Union
 
@@ -50,6 +51,12 @@ def sampling_params(rollout: RolloutConfig, **overrides) -> dict:
               "max_new_tokens": rollout.max_response_tokens}
     params.update(overrides)
     return params
+
+
+def request_seed(*parts) -> int:
+    """A request's own sampling seed under deterministic=true: 63 bits of BLAKE2b over the parts' reprs, so the same
+    parts (seed, stream, group, sample, weight version) give the same stream of draws, any other parts another."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "big") >> 1
 
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}

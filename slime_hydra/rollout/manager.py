@@ -77,7 +77,7 @@ from slime_hydra.rollout.auth import API_KEY_FILE, new_api_key, write_private
 from slime_hydra.rollout.client import MEMORY_TAGS, EngineError, EngineUnavailable, SGLangClient
 from slime_hydra.rollout.engine_pool import DRAIN_TIMEOUT_S, EnginePool
 from slime_hydra.rollout.engines.process import last_traceback
-from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, sampling_params
+from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, request_seed, sampling_params
 from slime_hydra.rollout.router import Router, RouterError
 from slime_hydra.rollout.weight_relay import WeightRelay
 from slime_hydra.stall import InFlight
@@ -219,12 +219,18 @@ class RolloutManager:
         logs = sorted((self.run_dir / "logs").glob("engine_*.log"))
         return "".join(f"\n{log.name}, its last traceback:\n{tail}" for log in logs if (tail := last_traceback(log)))
 
-    async def _generate_group(self, group: list[Sample], params: dict,
-                              abort: Optional[asyncio.Event] = None) -> list[Sample]:
-        """Generate the group's pending samples, then score it if every sample finished."""
+    async def _generate_group(self, group: list[Sample], params: dict, abort: Optional[asyncio.Event] = None,
+                              stream: str = "train") -> list[Sample]:
+        """Generate the group's pending samples, then score it if every sample finished. stream: what the samples
+        are for (``train`` or ``eval/<name>``), a part of each request's seed under deterministic=true."""
         todo = [s for s in group if s.status is Status.PENDING]
         done = [s for s in group if s.status is not Status.PENDING]
-        results = await asyncio.gather(*[self._generate_sample(s, params, abort) for s in todo])
+        if self.cfg.deterministic:  # a stream of draws per request: what shares an engine's batch changes nothing
+            seeded = [{**params, "sampling_seed": request_seed(self.cfg.seed, stream, s.group_index, s.index,
+                                                               self.buffer.weight_version)} for s in todo]
+        else:
+            seeded = [params] * len(todo)
+        results = await asyncio.gather(*[self._generate_sample(s, p, abort) for s, p in zip(todo, seeded)])
         samples = sorted(done + [x for r in results for x in r], key=lambda s: s.index)
         if all(s.is_done for s in samples):
             with self.in_flight.call(f"reward group ({self.reward.name})"):
@@ -277,7 +283,7 @@ class RolloutManager:
             self.failed_samples += len(errors)
             print(f"rollout: {len(errors)} samples failed in this batch (their groups were dropped); the first "
                   f"error: {errors[0]}", flush=True)
-        batch = self.buffer.take_batch(batch_prompts)
+        batch = self.buffer.take_batch(batch_prompts, by_index=self.cfg.deterministic)
         samples = batch.samples
         metrics = self._rollout_metrics(samples)
         metrics.update({f"rollout/buffer/{k}": float(v) for k, v in batch.counts.items()})
@@ -318,7 +324,8 @@ class RolloutManager:
             groups = [[Sample(index=i * n + j, group_index=i, prompt=r.prompt, label=r.label,
                               metadata=dict(r.metadata), tokens=list(r.token_ids)) for j in range(n)]
                       for i, r in enumerate(ev.dataset.records)]
-            done = await asyncio.gather(*[self._generate_group(g, ev.params) for g in groups])
+            done = await asyncio.gather(*[self._generate_group(g, ev.params, stream=f"eval/{ev.name}")
+                                          for g in groups])
             key = self.cfg.reward.reward_key
             correct = [[s.reward is not None and _correct(s, key) for s in g] for g in done]
             flat = [s for g in done for s in g]

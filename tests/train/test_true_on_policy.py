@@ -2,7 +2,8 @@
 prefills and decode steps in changing company (more requests than slots, prompts of 3 to 100 tokens, responses
 finishing at different steps), and the batch-invariant trainer's logprobs of those tokens are the engine's, bit for
 bit: padded and packed micro-batches of other sizes, one rank and two FSDP ranks. Without the mode, the same
-comparison is not exact (the mode is what makes it so)."""
+comparison is not exact (the mode is what makes it so). And what deterministic=true rests on: with a seed per request,
+the batch-invariant engine samples every request's tokens alike whatever order and company it comes in."""
 
 import asyncio
 
@@ -25,25 +26,29 @@ def model_dir():
     return tiny_checkpoint()
 
 
-def generate(path, batch_invariant: bool) -> list[tuple[list[int], list[int], list[float]]]:
-    """(prompt, response, engine logprobs) of each case, sampled with a seed per request."""
+def generate(path, batch_invariant: bool, slots: int = 4,
+             reverse: bool = False) -> list[tuple[list[int], list[int], list[float]]]:
+    """(prompt, response, engine logprobs) of each case, sampled with a seed per request, the requests submitted in
+    CASES' order (or reversed) to an engine of ``slots`` slots."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n, _ in CASES]
+    order = list(range(len(CASES)))[::-1 if reverse else 1]
 
     async def run():
-        engine = Engine(str(path), max_batch_size=4, batch_invariant=batch_invariant)
+        engine = Engine(str(path), max_batch_size=slots, batch_invariant=batch_invariant)
         await engine.start()
         try:
-            reqs = [engine.make_request(p, {"temperature": TEMPERATURE, "max_new_tokens": m, "ignore_eos": True,
-                                            "sampling_seed": i}, None, True, -1, 0, False)
-                    for i, (p, (_, m)) in enumerate(zip(prompts, CASES))]
-            engine.submit(reqs)
-            return await asyncio.gather(*(r.future for r in reqs)), engine.runner.peak_running
+            reqs = {i: engine.make_request(prompts[i], {"temperature": TEMPERATURE, "max_new_tokens": CASES[i][1],
+                                                        "ignore_eos": True, "sampling_seed": i}, None, True, -1, 0,
+                                           False) for i in order}
+            engine.submit(list(reqs.values()))
+            outs = await asyncio.gather(*(reqs[i].future for i in range(len(CASES))))
+            return outs, engine.runner.peak_running
         finally:
             await engine.stop()
 
     outs, peak = asyncio.run(run())
-    assert peak == 4
+    assert peak == slots
     return [(p, o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
             for p, o in zip(prompts, outs)]
 
@@ -73,3 +78,7 @@ def test_without_the_mode_the_logprobs_differ_by_rounding(model_dir):
     samples = generate(model_dir, batch_invariant=False)
     gaps = differences(samples, run_ranks(1, _trainer_logprobs, model_dir, samples, False, True)[0])
     assert 0.0 < max(gaps) < 1e-4
+
+
+def test_seeded_requests_sample_alike_in_any_order_and_company(model_dir):
+    assert generate(model_dir, True, slots=3, reverse=True) == generate(model_dir, True)
