@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="conf/model/<name>.yaml shape (overrides the three above)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--eager", action="store_true", help="CUDA: no CUDA graphs (--disable-cuda-graph)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the engine's --batch-invariant (algo.true_on_policy, deterministic)")
     parser.add_argument("--reference", default="dynamic", choices=["dynamic", "none"],
                         help="also time HF model.generate (dynamic cache) on the same batch")
     parser.add_argument("--reconnect", action="store_true",
@@ -170,6 +172,7 @@ def main() -> None:
 
     extra = ["--num-threads", str(args.threads)] if args.threads else []
     extra += ["--disable-cuda-graph"] if args.eager else []
+    extra += ["--batch-invariant"] if args.batch_invariant else []
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     engine = start_embedded_engine(str(model_dir), device=args.device, dtype=dtype, max_batch_size=args.batch,
                                    extra_args=extra, log_path=work / "engine.log")

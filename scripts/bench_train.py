@@ -220,7 +220,7 @@ def build(name: str, path: Path, train: TrainConfig, total: int):
     if name.startswith("fsdp"):
         from slime_hydra.train.fsdp import FSDPBackend
 
-        return FSDPBackend(path, train, total_steps=total)
+        return FSDPBackend(path, train, total_steps=total, batch_invariant=name.endswith("-invariant"))
     return PlainHF(path, train)
 
 
@@ -249,7 +249,8 @@ def main() -> None:
     parser.add_argument("--backend", required=True,
                         help="megatron, fsdp or hf, or several comma-separated (one process, taking turns); "
                              "megatron-fused / fsdp-fused: with train.compile_eager_numerics=false; megatron-loop: "
-                             "MoE experts as megatron's SequentialMLP loop (not grouped matmuls)")
+                             "MoE experts as megatron's SequentialMLP loop (not grouped matmuls); fsdp-invariant: the "
+                             "batch-invariant forward of algo.true_on_policy (never compiled)")
     parser.add_argument("--model", default="qwen2_5_0_5b", help="conf/model/<name>.yaml (shape only)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model option's)")
     parser.add_argument("--peak-tflops", type=float, default=989.4,
@@ -285,7 +286,8 @@ def main() -> None:
                              "time and the longest GPU-idle gaps with the host op running in each (rank 0)")
     args = parser.parse_args()
     names = args.backend.split(",")
-    known = ("megatron", "fsdp", "hf", "megatron-fused", "fsdp-fused", "megatron-loop", "fsdp-packed", "megatron-packed")
+    known = ("megatron", "fsdp", "hf", "megatron-fused", "fsdp-fused", "megatron-loop", "fsdp-packed", "megatron-packed",
+             "fsdp-invariant")
     if any(n not in known for n in names) or len(set(names)) < len(names):
         parser.error(f"--backend takes {', '.join(known)}, each at most once; got {args.backend!r}")
 

@@ -6,7 +6,7 @@
         [--engines graphs,eager] [--reference] [--no-train]
 
 Starts an embedded engine on the GPU (CUDA graphs on, the dtype weights are synced in), samples --samples responses
-to each of --prompts addition prompts at temperature 1 with their logprobs, then computes the same tokens'
+to each of --prompts addition prompts at --temperature (default 1) with their logprobs, then computes the same tokens'
 logprobs with train=fsdp's backend (one rank) in each variant, and prints per variant the mean and max
 |trainer - engine| over response tokens and the mean |exp(diff) - 1|, for the logprobs pass (eval mode, no grad:
 old / reference logprobs) and for the training forward (one train_step at lr 0: the loop's mismatch metric):
@@ -14,6 +14,8 @@ old / reference logprobs) and for the training forward (one train_step at lr 0: 
     eager            train.compile=false
     compiled         train.compile=true, train.compile_eager_numerics=false (inductor keeps fp32 between fused ops)
     compiled_eager   train.compile=true, train.compile_eager_numerics=true (the default)
+    invariant        the batch-invariant forward of algo.true_on_policy (model/invariant.py; against the
+                     ``invariant`` engine, the pair the mode runs)
 
 Who is off, and where (issue 42 item 4): ``--engines graphs,eager`` samples once per engine variant (``graphs``: the
 engine's default, CUDA graphs and compiled decode; ``eager``: ``--disable-cuda-graph --torch-compile off``), and
@@ -43,15 +45,20 @@ from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.objectives import ActorLoss
 
 VARIANTS = {"eager": dict(compile=False), "compiled": dict(compile=True, compile_eager_numerics=False),
-            "compiled_eager": dict(compile=True, compile_eager_numerics=True)}
-ENGINES = {"graphs": [], "eager": ["--disable-cuda-graph", "--torch-compile", "off"]}
+            "compiled_eager": dict(compile=True, compile_eager_numerics=True), "invariant": dict(compile=False)}
+ENGINES = {"graphs": [], "eager": ["--disable-cuda-graph", "--torch-compile", "off"], "invariant": ["--batch-invariant"],
+           "invariant_eager": ["--batch-invariant", "--disable-cuda-graph"]}
 """Embedded engine variants: extra command-line arguments of its server."""
 
 
-def sample(url: str, prompts: list[list[int]], n: int, max_new_tokens: int) -> list[tuple[list[int], list[int], list[float]]]:
-    """(prompt ids, response ids, engine logprobs) of n samples per prompt."""
-    body = {"input_ids": [p for p in prompts for _ in range(n)], "return_logprob": True,
-            "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new_tokens}}
+def sample(url: str, prompts: list[list[int]], n: int, max_new_tokens: int, ragged: bool = False,
+           temperature: float = 1.0) -> list[tuple[list[int], list[int], list[float]]]:
+    """(prompt ids, response ids, engine logprobs) of n samples per prompt; ragged: request i asks for
+    1 + (37 i mod max_new_tokens) tokens, so the engine's decode batch shrinks step by step to one row."""
+    count = len(prompts) * n
+    params = [{"temperature": temperature, "max_new_tokens": 1 + (37 * i) % max_new_tokens if ragged else max_new_tokens}
+              for i in range(count)]
+    body = {"input_ids": [p for p in prompts for _ in range(n)], "return_logprob": True, "sampling_params": params}
     req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as resp:
         outs = json.loads(resp.read())
@@ -95,6 +102,9 @@ def main() -> None:
     parser.add_argument("--engines", default="graphs", help="comma-separated, of: " + ", ".join(ENGINES))
     parser.add_argument("--reference", action="store_true", help="also plain transformers in fp32 and in --dtype")
     parser.add_argument("--no-train", action="store_true", help="the logprobs pass only, no training forward")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling and trainer temperature")
+    parser.add_argument("--ragged", action="store_true",
+                        help="responses of 1 to --max-new-tokens tokens: decode batches of every size, down to one")
     args = parser.parse_args()
     torch.manual_seed(0)
     tokenizer = load_tokenizer(args.model_path)
@@ -112,7 +122,7 @@ def main() -> None:
                                        dtype="bfloat16" if args.dtype == "bf16" else "float32", max_batch_size=512,
                                        extra_args=ENGINES[engine_name])
         try:
-            samples = sample(engine.url, prompts, args.samples, args.max_new_tokens)
+            samples = sample(engine.url, prompts, args.samples, args.max_new_tokens, args.ragged, args.temperature)
         finally:
             engine.stop()
         batch = collate([p + r for p, r, _ in samples], [len(r) for _, r, _ in samples],
@@ -133,8 +143,9 @@ def main() -> None:
             overrides = VARIANTS[name]
             torch._dynamo.reset()
             backend = FSDPBackend(args.model_path, TrainConfig(dtype=args.dtype, micro_batch_samples=64, lr=1e-12,
-                                                               **overrides), total_steps=1)
-            logp, _ = backend.logprobs(batch)
+                                                               **overrides), total_steps=1,
+                                  batch_invariant=name == "invariant")
+            logp, _ = backend.logprobs(batch, temperature=args.temperature)
             diff = (logp - engine_lp)[mask]
             row = {"engine": engine_name, "variant": name, "abs_diff_mean": float(diff.abs().mean()),
                    "abs_diff_max": float(diff.abs().max()), "ratio_abs_dev": float((diff.exp() - 1).abs().mean())}
@@ -142,7 +153,7 @@ def main() -> None:
                 row["trainer_vs_fp32"] = gap(logp, ref, mask)
                 row["trainer_vs_hf"] = gap(logp, plain, mask)
             if not args.no_train:
-                train = backend.train_step(batch, ActorLoss(AlgoConfig(), args.max_new_tokens))
+                train = backend.train_step(batch, ActorLoss(AlgoConfig(), args.max_new_tokens), args.temperature)
                 row["train_abs_diff_mean"] = train["train_rollout_logprob_abs_diff"]
                 row["train_abs_diff_max"] = train["train_rollout_logprob_abs_diff_max"]
             print(json.dumps(row), flush=True)

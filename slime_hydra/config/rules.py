@@ -266,7 +266,7 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
 def check_true_on_policy(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     """algo.true_on_policy needs both sides batch-invariant (model/invariant.py) and nothing that computes a token
     otherwise: an engine kind and a train backend whose records say so, a dense model, no LoRA branch, nothing
-    compiled, and the CPU (the GPU's matmul kernels are not shown batch-invariant yet)."""
+    compiled."""
     if not cfg.algo.true_on_policy:
         return
     off = "or set algo.true_on_policy=false"
@@ -288,16 +288,13 @@ def check_true_on_policy(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
         if value:
             yield Problem(("algo.true_on_policy", key), "compiled kernels fuse operations and round otherwise than "
                           "the engine", f"set {key}=false, {off}")
-    if cfg.cluster.gpus_per_node:
-        yield Problem(("algo.true_on_policy", "cluster.gpus_per_node"), "the batch-invariant forward is measured on "
-                      "CPU only: GPU matmul kernels change with the batch (docs/benchmarks.md)",
-                      f"run on CPU (cluster.gpus_per_node=0), {off}")
 
 
 def check_deterministic(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     """deterministic=true: nothing that timing decides. Batch-invariant engines (what shares a batch changes no
     token), sync mode (a sync landing mid-rollout changes the weights of the requests after it), every prompt sent
-    trained (over-sampling aborts the slowest groups), and the CPU (as algo.true_on_policy)."""
+    trained (over-sampling aborts the slowest groups), and the CPU (a GPU's engines are batch-invariant, but its
+    trainer's backward kernels add with atomics, in no fixed order)."""
     if not cfg.deterministic:
         return
     off = "or set deterministic=false"
@@ -313,8 +310,9 @@ def check_deterministic(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
         yield Problem(("deterministic", "rollout.over_sampling_batch_prompts"), "over-sampling aborts the groups that "
                       "finish last, which timing decides", f"set rollout.over_sampling_batch_prompts=null, {off}")
     if cfg.cluster.gpus_per_node:
-        yield Problem(("deterministic", "cluster.gpus_per_node"), "batch-invariant engines are measured on CPU only "
-                      "(docs/loop.md, true on-policy)", f"run on CPU (cluster.gpus_per_node=0), {off}")
+        yield Problem(("deterministic", "cluster.gpus_per_node"), "on GPUs the trainer's backward kernels add with "
+                      "atomics, in no fixed order, so its steps do not repeat bit for bit",
+                      f"run on CPU (cluster.gpus_per_node=0), {off}")
 
 
 def check_paths(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:

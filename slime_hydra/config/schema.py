@@ -61,7 +61,7 @@ class SlimeConfig:
     """The same command gives the same run: every request samples from a stream of its own, seeded by (seed, its
     group, its sample, the weight version), on batch-invariant engines (model/invariant.py), so what shares its
     batch changes nothing; a batch's groups train in their index order. metrics.jsonl repeats bit for bit but for
-    times and speeds, also across a resume. Sync mode, no over-sampling, embedded engines on CPU."""
+    times and speeds, also across a resume. Sync mode, no over-sampling, embedded engines, CPU."""
     mode: str = choice("sync", MODES)
     """sync (generate, then train) | async (generation of the next steps overlaps training of step k)."""
     max_staleness: int = non_negative(1)

@@ -46,12 +46,12 @@ INVALID = [
     (("algo.true_on_policy=true", "model=tiny_moe"), "model.num_experts", "mixture of experts"),
     (("algo.true_on_policy=true", "train.lora.rank=4"), "train.lora.rank", "set train.lora.rank=0"),
     (("algo.true_on_policy=true", "train.compile=true"), "train.compile", "set train.compile=false"),
-    ((*BIG, *GPU8, "algo.true_on_policy=true"), "cluster.gpus_per_node", "measured on CPU only"),
     # deterministic: nothing that timing decides
     (("deterministic=true", "mode=async"), "mode", "set mode=sync"),
     (("deterministic=true", "rollout.over_sampling_batch_prompts=64"), "rollout.over_sampling_batch_prompts",
      "aborts the groups that finish last"),
     ((*BIG, *GPU8, "rollout=sglang", "deterministic=true"), "rollout.backend", "use rollout=embedded"),
+    ((*BIG, *GPU8, "deterministic=true"), "cluster.gpus_per_node", "add with atomics"),
     # the grouped router (glm4_moe, deepseek_v3) and its megatron mapping
     ((*AIR, "model.moe_groups=3"), "model.moe_groups", "does not split num_experts=128"),
     ((*AIR, "model.moe_groups=128"), "model.moe_groups", "two best experts"),

@@ -14,7 +14,7 @@ from slime_hydra.rollout.engines.embedded.scheduler import Engine
 from slime_hydra.train.batch import collate
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.fsdp import FSDPBackend
-from tests.train.harness import run_ranks, tiny_checkpoint
+from tests.train.harness import pg_loss, run_ranks, tiny_checkpoint, toy_batch
 
 TEMPERATURE = 0.8
 CASES = [(3, 40), (17, 6), (100, 20), (5, 25), (40, 3), (9, 30), (64, 9), (4, 1), (30, 16)]
@@ -26,16 +26,17 @@ def model_dir():
     return tiny_checkpoint()
 
 
-def generate(path, batch_invariant: bool, slots: int = 4,
-             reverse: bool = False) -> list[tuple[list[int], list[int], list[float]]]:
+def generate(path, batch_invariant: bool, slots: int = 4, reverse: bool = False,
+             device: str = "cpu") -> list[tuple[list[int], list[int], list[float]]]:
     """(prompt, response, engine logprobs) of each case, sampled with a seed per request, the requests submitted in
-    CASES' order (or reversed) to an engine of ``slots`` slots."""
+    CASES' order (or reversed) to an engine of ``slots`` slots (on a GPU: bf16, CUDA graphs)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n, _ in CASES]
     order = list(range(len(CASES)))[::-1 if reverse else 1]
 
     async def run():
-        engine = Engine(str(path), max_batch_size=slots, batch_invariant=batch_invariant)
+        engine = Engine(str(path), device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                        max_batch_size=slots, batch_invariant=batch_invariant)
         await engine.start()
         try:
             reqs = {i: engine.make_request(prompts[i], {"temperature": TEMPERATURE, "max_new_tokens": CASES[i][1],
@@ -53,13 +54,13 @@ def generate(path, batch_invariant: bool, slots: int = 4,
             for p, o in zip(prompts, outs)]
 
 
-def _trainer_logprobs(rank, world, path, samples, batch_invariant, packed):
-    train = TrainConfig(dtype="fp32", micro_batch_samples=2, pack_sequences=packed)
-    backend = FSDPBackend(path, train, total_steps=1, batch_invariant=batch_invariant)
+def _trainer_logprobs(rank, world, path, samples, batch_invariant, packed, device="cpu"):
+    train = TrainConfig(dtype="bf16" if device == "cuda" else "fp32", micro_batch_samples=2, pack_sequences=packed)
+    backend = FSDPBackend(path, train, total_steps=1, batch_invariant=batch_invariant, device=device)
     batch = collate([p + r for p, r, _ in samples], [len(r) for _, r, _ in samples],
                     [[1] * len(r) for _, r, _ in samples], pad_id=0)
     logp, _ = backend.logprobs(batch, temperature=TEMPERATURE)
-    return logp
+    return logp.cpu()
 
 
 def differences(samples, logp) -> list[float]:
@@ -82,3 +83,19 @@ def test_without_the_mode_the_logprobs_differ_by_rounding(model_dir):
 
 def test_seeded_requests_sample_alike_in_any_order_and_company(model_dir):
     assert generate(model_dir, True, slots=3, reverse=True) == generate(model_dir, True)
+
+
+def _two_steps(rank, world, path, batch_invariant, packed):
+    train = TrainConfig(dtype="fp32", lr=1e-2, micro_batch_samples=3, pack_sequences=packed)
+    backend = FSDPBackend(path, train, total_steps=2, batch_invariant=batch_invariant, device="cpu")
+    return [(float(m["pg_loss"]), m["grad_norm"]) for m in (backend.train_step(toy_batch(), pg_loss) for _ in range(2))]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_invariant_forward_trains_as_the_plain_one(model_dir, packed):
+    """Its backward is plain causal attention's (invariant.DecodeFormAttention) through tiled matmuls and tree-summed
+    norms: the same losses and gradient norms as the default forward, to fp32 rounding, over two steps."""
+    plain = run_ranks(1, _two_steps, model_dir, False, packed)[0]
+    for (loss, norm), (want_loss, want_norm) in zip(run_ranks(1, _two_steps, model_dir, True, packed)[0], plain):
+        assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6) and norm == pytest.approx(want_norm, rel=1e-5)
+    assert plain[1][0] < plain[0][0]

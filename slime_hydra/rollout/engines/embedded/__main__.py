@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="compute every token as the trainer of algo.true_on_policy does, whatever shares its "
                              "batch (slime_hydra/model/invariant.py): logprobs equal the trainer's bit for bit; no "
-                             "CUDA graphs, torch.compile or stacked projections")
+                             "torch.compile or stacked projections")
     parser.add_argument("--max-request-mb", type=int, default=4096, help="largest request body accepted")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)

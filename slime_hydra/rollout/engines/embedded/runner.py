@@ -51,9 +51,9 @@ class ModelRunner:
         sets them) and kept in fp32, as the trainer's PEFT model keeps them: each adapted linear computes
         W x + (lora_alpha / r) B A x on the upcast input.
         return_routed_experts: record the experts every MoE layer chose for every token run (routing.py).
-        batch_invariant (algo.true_on_policy): every token computed as the trainer computes it, whatever shares its
-        batch (model/invariant.py): tiled linears, prefill attention in the decode form, no stacked projections,
-        nothing compiled or captured."""
+        batch_invariant (algo.true_on_policy, deterministic): every token computed as the trainer computes it,
+        whatever shares its batch (model/invariant.py): tiled linears, tree-summed norms, prefill attention in the
+        decode's form, no stacked projections, nothing compiled (CUDA graphs replay the same kernels: kept)."""
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         from slime_hydra.model.hf import load_tokenizer
@@ -74,7 +74,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         if batch_invariant:
             make_batch_invariant(self.model)
-            cuda_graph, torch_compile = False, False
+            torch_compile = False
         self.model.eval().requires_grad_(False)
         self.memory = Releasable(self.device)
         """The weights' and the KV cache's device memory, which a release gives back (memory.py)."""
@@ -103,7 +103,7 @@ class ModelRunner:
         self._in_flight: Optional[tuple[list[Request], Any]] = None
         """The decode step launched but not taken in yet: its rows (the batch as it was) and its ``Drawn``."""
         self.kv = SlotKV(self.config, max_batch_size, self.dtype, self.device, self.context_length,
-                         lambda: self.memory.region("kv_cache"), per_position_prefill=batch_invariant)
+                         lambda: self.memory.region("kv_cache"), invariant=batch_invariant)
         self.routing = RoutingCapture(self._body, max_batch_size, self.device) if return_routed_experts else None
         """Each MoE layer's choice of experts in the last model call (None: not recorded)."""
         moe = any(getattr(text, key, None) for key in ("num_experts", "n_routed_experts", "num_local_experts"))

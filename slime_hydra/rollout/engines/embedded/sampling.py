@@ -20,8 +20,7 @@ from slime_hydra.rollout.engines.embedded.protocol import Request, SamplingParam
 def score_prompt(r: Request, logits: torch.Tensor) -> None:
     """input_token_logprobs: each prompt token's logprob given the ones before it (same scaling as outputs);
     ``logits`` [len(prompt) - 1, vocab] are the predictions of prompt tokens 1..."""
-    scale = 1.0 if r.params.greedy else r.params.temperature
-    lp = torch.log_softmax(logits / scale, dim=-1)
+    lp = scaled_log_softmax(logits, 1.0 if r.params.greedy else r.params.temperature)
     targets = torch.tensor(r.prompt_ids[1:], device=lp.device)
     chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
     r.input_logprobs = ([None] + chosen)[r.logprob_start_len:]

@@ -42,7 +42,7 @@ from typing import Callable, ContextManager, Optional
 import torch
 import torch.nn.functional as F
 
-from slime_hydra.model.invariant import rows_attention
+from slime_hydra.model.invariant import rows_attention, sdpa_rows
 from slime_hydra.rollout.engines.embedded import cache_capacity
 
 ATTENTION_NAME = "slime_hydra_slots"
@@ -60,7 +60,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     if slot_kv is None or slot_kv.mode == "prefill":  # (not traced by torch.compile: register_attention)
         if slot_kv is not None:
             slot_kv.write_prefill(module.layer_idx, key, value)
-            if slot_kv.per_position_prefill:  # the decode's form, row by row (model/invariant.py)
+            if slot_kv.invariant:  # the decode's form, one row per position (model/invariant.py)
                 return rows_attention(query, key, value, scaling), None
         out = F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
@@ -68,7 +68,10 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     keys, values = slot_kv.write_decode(module.layer_idx, key, value)
     n, heads, _, d = query.shape
     grouped = query.reshape(n, keys.shape[1], heads // keys.shape[1], d)  # query heads of one KV group together
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=slot_kv.mask, scale=scaling)
+    if slot_kv.invariant:  # the batch-invariant engine: SDPA calls of one shape (model/invariant.py)
+        out = sdpa_rows(grouped, keys, values, slot_kv.mask, scaling)
+    else:
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=slot_kv.mask, scale=scaling)
     return out.reshape(n, 1, heads, values.shape[-1]), None
 
 
@@ -86,11 +89,11 @@ class SlotKV:
     """The cache tensor, the per-slot next ids/positions, and the mode of the forward about to run."""
 
     def __init__(self, config, slots: int, dtype: torch.dtype, device: torch.device, max_capacity: int,
-                 region: Callable[[], ContextManager] = nullcontext, per_position_prefill: bool = False):
+                 region: Callable[[], ContextManager] = nullcontext, invariant: bool = False):
         """region: the memory region the cache tensors are allocated in (the engine's ``kv_cache``, memory.py);
-        per_position_prefill: a prefill's attention runs in the decode's form, one row per position
-        (model/invariant.rows_attention: the batch-invariant engine)."""
-        self.per_position_prefill = per_position_prefill
+        invariant: the batch-invariant engine's attention (model/invariant.py): a prefill's in the decode's form, one
+        row per position (rows_attention), and every SDPA call of one shape (sdpa_rows)."""
+        self.invariant = invariant
         text = config.get_text_config()
         self.layers = int(text.num_hidden_layers)
         self.kv_heads = int(text.num_key_value_heads)
