@@ -38,6 +38,11 @@ from slime_hydra.rollout.engines.process import ManagedProcess, http_status
 
 
 
+PORT_ATTEMPTS = 3
+"""Starts of a router on ports picked here: a port free when picked can be taken (by another process's outgoing
+connection, say) before the router binds it, and the router then exits with "Address already in use"."""
+
+
 class RouterError(RuntimeError):
     """The router refused an admin call or did not reach the expected state in time."""
 
@@ -45,7 +50,8 @@ class RouterError(RuntimeError):
 class Router:
     """One sglang-router process.
 
-    port / prometheus_port: None picks free ports. policy: a sglang-router load-balancing policy.
+    port / prometheus_port: None picks free ports (both None: ``start`` picks new ones when the router finds one
+    taken, up to PORT_ATTEMPTS times). policy: a sglang-router load-balancing policy.
     health_check_interval_s: seconds between the router's health checks of each worker (3 failures in a row mark a
     worker unhealthy). log_level: the router's own (debug | info | warn | error). extra_args: more router flags.
     api_key: the run's key, required by the router and sent to every engine it registers (None: none).
@@ -59,18 +65,23 @@ class Router:
             raise ValueError(f"policy={policy!r}; choose one of {ROUTER_POLICIES}")
         self.api_key = api_key
         self.host = host
+        self._picked = port is None and prometheus_port is None
         self.port = port or free_port(host)
         self.prometheus_port = prometheus_port or free_port(host)
         self.policy = policy
-        argv = [sys.executable, "-m", "slime_hydra.rollout.router", "--host", host, "--port", str(self.port),
-                "--prometheus-host", host, "--prometheus-port", str(self.prometheus_port), "--policy", policy,
-                "--health-check-interval-secs", str(health_check_interval_s), "--log-level", log_level,
-                *extra_args]
-        env = dict(os.environ if env is None else env)
-        env.pop(API_KEY_ENV, None)
+        self._flags = ["--policy", policy, "--health-check-interval-secs", str(health_check_interval_s),
+                       "--log-level", log_level, *extra_args]
+        self._log_path = log_path
+        self._env = dict(os.environ if env is None else env)
+        self._env.pop(API_KEY_ENV, None)
         if api_key:
-            env[API_KEY_ENV] = api_key
-        self.process = ManagedProcess(f"router_{self.port}", argv, log_path, env)
+            self._env[API_KEY_ENV] = api_key
+        self.process = self._process()
+
+    def _process(self) -> ManagedProcess:
+        argv = [sys.executable, "-m", "slime_hydra.rollout.router", "--host", self.host, "--port", str(self.port),
+                "--prometheus-host", self.host, "--prometheus-port", str(self.prometheus_port), *self._flags]
+        return ManagedProcess(f"router_{self.port}", argv, self._log_path, self._env)
 
     @property
     def url(self) -> str:
@@ -83,13 +94,19 @@ class Router:
         self.stop()
 
     def start(self, timeout_s: float = 60.0) -> "Router":
-        """Start the process and return once its HTTP server answers (it has no workers yet)."""
-        self.process.start()
-        try:
-            self.process.wait_until(lambda: http_status(f"{self.url}/health") == 200, timeout_s, "serving")
-        except BaseException:
-            self.process.stop()
-            raise
+        """Start the process and return once its HTTP server answers (it has no workers yet); on ports picked here,
+        again on new ones when one was taken (PORT_ATTEMPTS)."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self.process.start()
+            try:
+                self.process.wait_until(lambda: http_status(f"{self.url}/health") == 200, timeout_s, "serving")
+                break
+            except BaseException as error:
+                self.process.stop()
+                if not (self._picked and attempt < PORT_ATTEMPTS and "Address already in use" in str(error)):
+                    raise
+            self.port, self.prometheus_port = free_port(self.host), free_port(self.host)
+            self.process = self._process()
         return self
 
     def stop(self, grace_s: float = 10.0) -> Optional[int]:

@@ -6,8 +6,10 @@ import os
 
 import pytest
 
+from slime_hydra.net import free_port
 from slime_hydra.rollout.client import EngineError, SGLangClient
 from slime_hydra.rollout.engines import start_embedded_engine
+from slime_hydra.rollout.engines.process import http_status
 from slime_hydra.rollout.router import Router, RouterError
 from tests.rollout.helpers import build_model, logprobs, tokens
 
@@ -103,3 +105,26 @@ def test_stop_leaves_no_process(engine, tmp_path):
 def test_router_refuses_unknown_policy():
     with pytest.raises(ValueError, match="policy"):
         Router(policy="fastest")
+
+
+def test_a_picked_port_taken_before_the_router_binds_it_is_picked_again(tmp_path, monkeypatch):
+    """The race behind a CI failure: the OS hands out a free port, another process takes it, then the router exits
+    with "Address already in use". Here the first pick is a port held open on purpose."""
+    import socket
+
+    import slime_hydra.rollout.router as module
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(module, "free_port", lambda host: next(picks, None) or free_port(host))
+    router = Router(log_path=tmp_path / "router.log")
+    try:
+        assert router.port == taken.getsockname()[1]
+        router.start()
+        assert router.port != taken.getsockname()[1] and http_status(f"{router.url}/health") == 200
+        assert "Address already in use" in (tmp_path / "router.log").read_text()
+    finally:
+        router.stop()
+        taken.close()
