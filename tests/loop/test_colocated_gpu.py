@@ -63,7 +63,7 @@ def test_colocated_paths_keep_engine_and_trainer_equal(tmp_path, dtype, offload)
             assert gap(trained_before, trained)[1] > 1e-4      # the step moved the policy
             session.turns.hand_to("both", timer)                # engine weights resumed for the sync
             session.trainer.push_weights(step + 1)             # CUDA IPC
-            after, version = engine_logprobs(url, key)
+            after, version, _ = engine_logprobs(url, key)
             assert version == str(step + 1)
             gaps[f"sync_{step}"] = gap(after, trained)
         print({k: (f"{m:.2e}", f"{x:.2e}") for k, (m, x) in gaps.items()})

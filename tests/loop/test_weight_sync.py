@@ -27,11 +27,13 @@ pytestmark = pytest.mark.slow
 SEQUENCE = [2, 90, 88, 74, 87, 100, 22, 23, 16, 24, 25, 34, 3, 100, 2, 70, 26, 27, 1]
 
 
-def engine_logprobs(url: str, api_key: str) -> tuple[list[float], str]:
+def engine_logprobs(url: str, api_key: str) -> tuple[list[float], str, bool]:
+    """The engine's logprobs of SEQUENCE, its weight version, and whether it is batch-invariant."""
     async def ask():
         async with SGLangClient(url, api_key=api_key) as client:
             out = await client.generate(SEQUENCE, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
-            return [x[0] for x in out["meta_info"]["input_token_logprobs"][1:]], await client.get_weight_version()
+            return ([x[0] for x in out["meta_info"]["input_token_logprobs"][1:]], await client.get_weight_version(),
+                    (await client.server_info())["batch_invariant"])
     return asyncio.run(ask())
 
 
@@ -55,8 +57,8 @@ def test_engine_holds_the_trainer_weights_after_sync(tmp_path, overrides):
     session = Session(cfg, derive(cfg), Path(tmp_path) / "r", resolve_model_path(cfg.model, cfg.data, cfg.seed))
     try:
         url, key = session.engine_urls[0], read_api_key(session.run_dir)
-        before, version = engine_logprobs(url, key)
-        assert version == "0"
+        before, version, invariant = engine_logprobs(url, key)
+        assert version == "0" and invariant is exact
         assert max(abs(a - b) for a, b in zip(before, trainer_logprobs(session))) <= tolerance
         samples, _ = session.rollout_phase(0, StepTimer())
         step = session.train_phase(samples, StepTimer())
@@ -65,7 +67,7 @@ def test_engine_holds_the_trainer_weights_after_sync(tmp_path, overrides):
         trained = trainer_logprobs(session)
         assert max(abs(a - b) for a, b in zip(before, trained)) > 1e-4     # the step changed the policy
         metrics = session.trainer.push_weights(1)
-        after, version = engine_logprobs(url, key)
+        after, version, _ = engine_logprobs(url, key)
         assert version == "1" and metrics["sync/bytes"] > 0
         assert max(abs(a - b) for a, b in zip(after, trained)) <= tolerance
     finally:

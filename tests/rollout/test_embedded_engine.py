@@ -64,6 +64,7 @@ async def test_info_endpoints(engine, models):
         assert info["is_generation"] is True and info["model_path"] == str(models["a"].resolve())
         server = await c.server_info()
         assert server["dp_size"] == 1 and server["max_running_requests"] == 4 and server["skip_tokenizer_init"]
+        assert server["batch_invariant"] is False
         assert await c.get_weight_version() == "0"
         assert (await c.get_load())[0]["num_reqs"] == 0
         assert (await c.flush_cache())["success"] is True

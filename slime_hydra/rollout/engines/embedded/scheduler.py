@@ -443,6 +443,7 @@ class Engine:
                 "skip_tokenizer_init": runner.tokenizer is None, "weight_version": runner.weight_version,
                 "paused": self.paused, "memory_released": sorted(runner.memory.released),
                 "lora_adapters": sorted(self.adapter_paths), "torch_compile": runner.compiled,
+                "batch_invariant": runner.batch_invariant,
                 "cuda_graph": runner.graphs is not None and runner.graphs.failed is None,
                 "cuda_graph_captures": self._captures(),
                 "kv_capacity_tokens": runner.kv.capacity,
