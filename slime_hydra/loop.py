@@ -210,15 +210,15 @@ class Session:
 
         cfg, d = self.cfg, self.d
         total = cfg.num_steps * d.optimizer_steps_per_rollout
-        share = 0.5 if cfg.cluster.colocate else 1.0  # colocated engines take the other half of each bundle
-        gpus = share if self.on_gpu else 0.0
+        gpus = (0.5 if cfg.cluster.colocate else 1.0) if self.on_gpu else 0.0  # colocated: engines take half a bundle
         self.trainer = TrainGroup(self.pg, cfg.train.num_gpus, cfg.train.backend, self.model_path, cfg.train, total,
                                   cfg.algo.loss_agg, cfg.algo.needs_reference, gpus_per_rank=gpus, cpus_per_rank=1.0,
-                                  torch_threads=self.cpu_threads, batch_invariant=cfg.algo.true_on_policy)
+                                  torch_threads=self.cpu_threads, batch_invariant=cfg.algo.true_on_policy,
+                                  deterministic=cfg.deterministic)
         if cfg.algo.needs_critic:
             self.critic = TrainGroup(self.pg, cfg.train.num_gpus, cfg.train.backend, self.model_path, cfg.train,
                                      total, cfg.algo.loss_agg, False, gpus_per_rank=gpus / 2 if gpus else 0.0,
-                                     role="critic", cpus_per_rank=0.0)
+                                     role="critic", cpus_per_rank=0.0, deterministic=cfg.deterministic)
 
     def start_rollout(self) -> ray.ObjectRef:
         """Create the engine actors and the rollout manager; returns the future of its start (the engine URLs).

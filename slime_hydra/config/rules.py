@@ -293,8 +293,8 @@ def check_true_on_policy(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
 def check_deterministic(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     """deterministic=true: nothing that timing decides. Batch-invariant engines (what shares a batch changes no
     token), sync mode (a sync landing mid-rollout changes the weights of the requests after it), every prompt sent
-    trained (over-sampling aborts the slowest groups), and the CPU (a GPU's engines are batch-invariant, but its
-    trainer's backward kernels add with atomics, in no fixed order)."""
+    trained (over-sampling aborts the slowest groups), and on GPUs a train backend whose ranks repeat a step with
+    torch's deterministic algorithms (its record's ``deterministic_on_gpu``) running the batch-invariant forward."""
     if not cfg.deterministic:
         return
     off = "or set deterministic=false"
@@ -309,10 +309,16 @@ def check_deterministic(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     if over is not None and over > cfg.rollout.batch_prompts:
         yield Problem(("deterministic", "rollout.over_sampling_batch_prompts"), "over-sampling aborts the groups that "
                       "finish last, which timing decides", f"set rollout.over_sampling_batch_prompts=null, {off}")
-    if cfg.cluster.gpus_per_node:
-        yield Problem(("deterministic", "cluster.gpus_per_node"), "on GPUs the trainer's backward kernels add with "
-                      "atomics, in no fixed order, so its steps do not repeat bit for bit",
-                      f"run on CPU (cluster.gpus_per_node=0), {off}")
+    if cfg.cluster.gpus_per_node and not cfg.algo.true_on_policy:
+        yield Problem(("deterministic", "algo.true_on_policy", "cluster.gpus_per_node"), "on GPUs runs are shown to "
+                      "repeat with the batch-invariant trainer only (tests/loop/test_deterministic_gpu.py); the "
+                      "default one, compiled, is not yet shown to under torch's deterministic algorithms",
+                      f"set algo.true_on_policy=true, {off}")
+    if cfg.cluster.gpus_per_node and not TRAIN_BACKEND_KINDS[cfg.train.backend].deterministic_on_gpu:
+        able = ", ".join(k.name for k in TRAIN_BACKEND_KINDS.values() if k.deterministic_on_gpu)
+        yield Problem(("deterministic", "train.backend", "cluster.gpus_per_node"), f"train={cfg.train.backend} "
+                      "is not made to repeat its steps bit for bit on GPUs", f"use train={able}, run on CPU "
+                      f"(cluster.gpus_per_node=0), {off}")
 
 
 def check_paths(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:

@@ -15,6 +15,7 @@ GPU cluster, {CPU: 1} on a CPU-only machine.
 """
 
 import importlib
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -40,8 +41,12 @@ class TrainRank:
 
     def setup(self, rank: int, world: int, master: tuple[str, int], backend: str, model_path: str,
               train: TrainConfig, total_steps: int, loss_agg: str, keep_reference: bool, role: str,
-              torch_threads: int | None, batch_invariant: bool = False) -> None:
+              torch_threads: int | None, batch_invariant: bool = False, deterministic: bool = False) -> None:
         from slime_hydra.train.backend import init_distributed
+
+        if deterministic:  # deterministic=true: kernels that add in a fixed order (cuBLAS reads its variable at init)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
 
         assigned = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
         torch.set_num_threads(torch_threads or max(assigned, 1))
@@ -89,9 +94,10 @@ class TrainGroup:
     def __init__(self, pg: PlacementGroup, num_ranks: int, backend: str, model_path: str | Path, train: TrainConfig,
                  total_steps: int, loss_agg: str, keep_reference: bool, gpus_per_rank: float = 0.0,
                  bundle_offset: int = 0, role: str = "actor", cpus_per_rank: float = 1.0,
-                 torch_threads: int | None = None, batch_invariant: bool = False):
+                 torch_threads: int | None = None, batch_invariant: bool = False, deterministic: bool = False):
         """torch_threads: CPU threads of each rank's torch ops; None means the CPUs Ray assigned it.
-        batch_invariant: the ranks' forward is the batch-invariant one (algo.true_on_policy)."""
+        batch_invariant: the ranks' forward is the batch-invariant one (algo.true_on_policy).
+        deterministic: the ranks run torch's deterministic algorithms (deterministic=true)."""
         actor_cls = ray.remote(TrainRank)
         self.ranks = [
             actor_cls.options(
@@ -102,7 +108,7 @@ class TrainGroup:
         ]
         master = ray.get(self.ranks[0].address.remote())
         ray.get([r.setup.remote(i, num_ranks, master, backend, str(model_path), train, total_steps, loss_agg,
-                                keep_reference, role, torch_threads, batch_invariant)
+                                keep_reference, role, torch_threads, batch_invariant, deterministic)
                  for i, r in enumerate(self.ranks)])
 
     def values(self, batch: TrainBatch) -> torch.Tensor:

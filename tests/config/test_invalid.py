@@ -51,7 +51,8 @@ INVALID = [
     (("deterministic=true", "rollout.over_sampling_batch_prompts=64"), "rollout.over_sampling_batch_prompts",
      "aborts the groups that finish last"),
     ((*BIG, *GPU8, "rollout=sglang", "deterministic=true"), "rollout.backend", "use rollout=embedded"),
-    ((*BIG, *GPU8, "deterministic=true"), "cluster.gpus_per_node", "add with atomics"),
+    ((*BIG, *GPU8, "train=megatron", "deterministic=true"), "train.backend", "use train=fsdp"),
+    ((*BIG, *GPU8, "deterministic=true"), "algo.true_on_policy", "set algo.true_on_policy=true"),
     # the grouped router (glm4_moe, deepseek_v3) and its megatron mapping
     ((*AIR, "model.moe_groups=3"), "model.moe_groups", "does not split num_experts=128"),
     ((*AIR, "model.moe_groups=128"), "model.moe_groups", "two best experts"),
@@ -254,6 +255,11 @@ def test_invalid_config_names_key_and_fix(overrides, key, fragment):
     matching = [p for p in error.problems if key in p.keys]
     assert matching, f"no problem names {key}:\n{error}"
     assert any(fragment in f"{p.message}; {p.fix}" for p in matching), f"'{fragment}' not in:\n{error}"
+
+
+def test_deterministic_validates_on_gpus_with_a_backend_that_repeats_its_steps_there():
+    cfg, _ = load(*BIG, *GPU8, "train=fsdp", "deterministic=true", "algo.true_on_policy=true", "cluster.mem_gb=1000")
+    assert cfg.deterministic and cfg.cluster.gpus_per_node == 8
 
 
 @pytest.mark.parametrize("parallel", [("train.pp=2", "train.ep=2"), ("train.cp=2", "train.ep=4"),
