@@ -51,16 +51,24 @@ the leases to come back before it stops its processes. Our nodes are stopped aft
 actors (nothing to drain), and the wait made every stop run into the SIGKILL grace period (10 s a run, measured on
 the CPU machine)."""
 
+NORMAL_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
+"""For ``ray start``: Ray (2.60) runs its worker processes at nice 15, under its daemons. A run's workers are its
+trainer ranks, engines and rollout manager, the run itself: at nice 15, any other program on the machine at nice 0
+takes the CPU from them (the test suite beside one busy loop made ~8% of its tests in 26 minutes,
+docs/benchmarks.md)."""
+
 NO_PRESTART_ENV = {"RAY_prestart_worker_first_driver": "0"}
 """For ``ray start``: Ray (2.60) starts one idle worker per CPU when the first driver connects, for tasks; a run's
 processes are actors, which get workers of their own, so those workers only cost their start (a run of two steps
 on the 2-core CPU machine: 62 s of CPU time without them, 68 s with; docs/benchmarks.md)."""
 
-LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", **NO_DRAIN_ENV}
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", **NO_DRAIN_ENV,
+                 **NORMAL_PRIORITY_ENV}
 """What a run on one machine needs (docs/architecture.md "Machine facts"): Ray's cluster mode off, so the driver
 reaches the node on 127.0.0.1 (with it on, ``ray.init(address="127.0.0.1:<port>")`` rewrites the address to the
 machine's external one, where the node does not listen, and waits forever); no token auth (a stale
-~/.ray/auth_token would turn it on); no drain on stop (NO_DRAIN_ENV)."""
+~/.ray/auth_token would turn it on); no drain on stop (NO_DRAIN_ENV); workers at normal priority
+(NORMAL_PRIORITY_ENV)."""
 
 
 def set_local_ray_env() -> None:

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 
 from slime_hydra.checkpoint import JOB_ERROR
 from slime_hydra.cluster.config import ClusterConfig
-from slime_hydra.cluster.local_ray import NO_DRAIN_ENV
+from slime_hydra.cluster.local_ray import NO_DRAIN_ENV, NORMAL_PRIORITY_ENV
 from slime_hydra.lifetime import die_with_parent
 from slime_hydra.net import answers, free_port
 
@@ -48,14 +48,14 @@ CLEARED_ENV_PREFIXES = ("SLURM_", "SLURMD_", "SBATCH_", "SRUN_", "PMI_", "PMIX_"
 """Variables removed from the environment of the Ray processes (and so of every actor)."""
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
-           **NO_DRAIN_ENV}
+           **NO_DRAIN_ENV, **NORMAL_PRIORITY_ENV}
 """Set for the Ray processes and the driver, with RAY_AUTH_TOKEN_PATH (``token_env``). Cluster mode must be ON here:
 with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (right for single-machine runs, docs/architecture.md "Machine facts") ``ray
 start --address`` refuses to join and a driver takes 127.0.0.1 as its node address; the explicit
 ``--node-ip-address`` keeps Ray off the machine's other interfaces instead. Token auth: every process that talks to
 the GCS or a raylet (nodes, driver, workers, which inherit it) presents the job's token, so a host that reaches the
 ports but cannot read the token file cannot join, submit work or read the run's secrets. No drain on stop
-(local_ray.NO_DRAIN_ENV)."""
+(local_ray.NO_DRAIN_ENV); workers at normal priority (local_ray.NORMAL_PRIORITY_ENV)."""
 
 AUTH_TOKEN_FILE = "ray_auth_token"
 """The job's Ray token, in its submitit folder (shared storage, mode 0600): written at submission (``write_token``),
@@ -140,6 +140,12 @@ def missing_nodes(expected_hosts: Sequence[str], joined_hosts: Sequence[str]) ->
     short = lambda h: h.split(".")[0]  # noqa: E731 - SLURM node names vs gethostname() may differ by the domain
     missing = collections.Counter(map(short, expected_hosts)) - collections.Counter(map(short, joined_hosts))
     return sorted(missing.elements()) or [f"{len(expected_hosts) - len(joined_hosts)} unnamed node(s)"]
+
+
+def node_gone(node: dict) -> bool:
+    """A node of ``ray.nodes()`` that left: Ray marked it dead, or its raylet no longer accepts connections (Ray marks
+    a lost node dead only after several missed health checks; a refused or unanswered connection says so at once)."""
+    return not node["Alive"] or not answers(node["NodeManagerAddress"], node["NodeManagerPort"])
 
 
 class RayCluster:
@@ -240,9 +246,8 @@ class RayCluster:
             ray.shutdown()
 
     def lost_nodes(self) -> set[str]:
-        """Head only, after the job body failed: the addresses of the job's nodes that are gone, those Ray marked
-        dead or whose raylet no longer accepts connections (it notices a lost node only after several missed health
-        checks; a refused or unanswered connection says so at once). Empty when the head itself is unreachable."""
+        """Head only, after the job body failed: the addresses of the job's nodes that are gone (``node_gone``).
+        Empty when the head itself is unreachable."""
         import ray
 
         try:
@@ -250,8 +255,7 @@ class RayCluster:
                 return set()
             if not ray.is_initialized():
                 ray.init(address=self.address, logging_level="WARNING", log_to_driver=False)
-            return {n["NodeManagerAddress"] for n in ray.nodes()
-                    if not n["Alive"] or not answers(n["NodeManagerAddress"], n["NodeManagerPort"])}
+            return {n["NodeManagerAddress"] for n in ray.nodes() if node_gone(n)}
         except Exception as error:  # the body's own error is the one to report
             print(f"could not ask Ray which nodes are gone: {error}", flush=True)
             return set()

@@ -147,6 +147,10 @@ def check_rollout(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       f"rollout={r.backend} engines take weights by {' or '.join(kind.weight_syncs)}, not "
                       f"train.weight_sync={cfg.train.weight_sync} (rollout/engines/kinds.py)",
                       f"set train.weight_sync={kind.weight_syncs[-1]} (or auto)")
+    if r.elastic and cfg.cluster.colocate:
+        yield Problem(("rollout.elastic", "cluster.colocate"), "colocated engines share the trainer's GPUs, so a "
+                      "node that joins cannot get engines of their own",
+                      "set cluster.colocate=false, or rollout.elastic=false")
     if kind.needs_gpu and cfg.cluster.gpus_per_node == 0:
         cpu_kinds = [k.name for k in ENGINE_KINDS.values() if not k.needs_gpu]
         yield Problem(("rollout.backend", "cluster.gpus_per_node"),

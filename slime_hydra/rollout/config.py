@@ -45,6 +45,10 @@ class RolloutConfig:
     """Aborted (over-sampled) groups go back to the buffer and resume later instead of being discarded."""
     max_filter_attempts: int = positive(3)
     """Generation rounds per batch before the buffer tops the batch up with filtered-out groups (>= 1)."""
+    elastic: bool = False
+    """Engines follow the Ray cluster's nodes while the run goes on: a node that joins gets engines on its free
+    resources (rollout.gpus_per_engine GPUs each; one engine on a CPU node), the engines of a node that leaves are
+    dropped and the run goes on with the others (rollout/elastic.py)."""
     health_check_interval_s: float = non_negative(2.0)
     """Seconds between the rollout manager's checks of every engine (process alive + GET /health); 0 disables."""
     max_generate_retries: int = non_negative(3)

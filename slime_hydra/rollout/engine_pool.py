@@ -27,7 +27,10 @@ does (replay, or out of the router until the next sync, which forms a new broadc
 traffic. ``remove`` drains one: it leaves the router at once (no new request reaches it), the requests it holds
 finish there (up to ``drain_timeout_s``; any left then fail and are retried through the router on the others,
 as after a crash), and its server stops. A removed engine keeps its index (indices name log files and
-metrics) and stays out of service for good; the last engine in service cannot be removed.
+metrics) and stays out of service for good; the last engine in service cannot be removed. With ``elastic``
+(rollout.elastic), an engine whose actor is gone because its node left the Ray cluster is dropped as a removed one
+(its requests are retried on the others) instead of stopping the run, while another engine is left; engines for
+nodes that join come through ``add`` (rollout/elastic.py).
 """
 
 import asyncio
@@ -35,6 +38,7 @@ from typing import Awaitable, Callable, Optional
 
 import ray
 
+from slime_hydra.cluster.ray_cluster import node_gone
 from slime_hydra.rollout.client import EngineError, EngineUnavailable, SGLangClient
 from slime_hydra.rollout.router import Router, RouterError
 
@@ -55,11 +59,16 @@ REMOVED = "removed"
 
 
 class EnginePool:
-    def __init__(self, engines: list, router: Router, health_check_interval_s: float, api_key: Optional[str] = None):
+    def __init__(self, engines: list, router: Router, health_check_interval_s: float, api_key: Optional[str] = None,
+                 elastic: bool = False):
         """engines: EngineActor handles (already placed); router: not started yet; health_check_interval_s: 0
         disables the periodic checks (failed requests still trigger one); api_key: the run's key (rollout/auth.py),
-        given to each engine when it starts and sent with every call to it."""
+        given to each engine when it starts and sent with every call to it; elastic: drop the engines of a node that
+        left instead of stopping (module docstring)."""
         self.engines = list(engines)
+        self.elastic = elastic
+        self.nodes: list[str] = []
+        """The Ray node id of each engine."""
         self.api_key = api_key
         self.router = router
         self.health_check_interval_s = health_check_interval_s
@@ -91,6 +100,7 @@ class EnginePool:
         """Start the router and every engine, register the engines, wait until the router sees them healthy."""
         self.router.start()
         self.urls = list(await asyncio.gather(*[e.start.remote(self.api_key) for e in self.engines]))
+        self.nodes = list(await asyncio.gather(*[e.node_id.remote() for e in self.engines]))
         for url in self.urls:
             self.router.add_worker(url)
         await asyncio.to_thread(self.router.wait_ready, len(self.urls), REGISTER_TIMEOUT_S)
@@ -186,7 +196,13 @@ class EnginePool:
             for i, (actor, client) in enumerate(zip(self.engines, self.clients)):
                 if i in self.down:
                     continue
-                if not await actor.alive.remote():
+                try:
+                    alive = await actor.alive.remote()
+                except ray.exceptions.RayActorError:
+                    if await self._left_with_its_node(i):
+                        continue
+                    raise
+                if not alive:
                     cause = f"its process (pid {await actor.pid.remote()}) exited"
                 elif await client.health(timeout_s=HEALTH_TIMEOUT_S):
                     self._unhealthy_checks[i] = 0
@@ -238,12 +254,39 @@ class EnginePool:
             if await self._bring_in(i, f"restarted after: {cause}"):
                 print(f"rollout: engine {i} ({url}) is back", flush=True)
         except Exception as error:
+            if isinstance(error, ray.exceptions.RayActorError) and await self._left_with_its_node(i):
+                return
             self.down[i] = f"{cause}; the restart failed: {type(error).__name__}: {error}"
             if isinstance(error, EngineError):  # the restarted server stopped answering: say what became of it
                 self.down[i] += f" (the restarted server: {await self._describe(i)})"
             print(f"rollout: engine {i} ({url}) {self.down[i]}", flush=True)
             if isinstance(error, ray.exceptions.RayActorError):  # the actor is gone, as in _watch: the run stops
                 self.failed = error
+
+    async def _left_with_its_node(self, i: int) -> bool:
+        """``elastic``: engine i's actor is gone because its node left the cluster; drop it for good (as ``remove``
+        does, with no drain: its requests fail and are retried on the others) and return True. False when the pool
+        is not elastic, the node is still alive (the actor died by itself) or no other engine is left."""
+        if not self.elastic:
+            return False
+        if i in self.removed:  # dropped already (by the check, or a restart that failed the same way)
+            return True
+        if not [j for j in range(len(self.engines)) if j not in self.removed and j != i]:
+            return False
+        node = {n["NodeID"]: n for n in await asyncio.to_thread(ray.nodes)}.get(self.nodes[i], {})
+        if not node or not await asyncio.to_thread(node_gone, node):
+            return False
+        async with self.weights_lock:  # a sync's receivers do not change under it
+            self.removed.add(i)
+            self.down[i] = f"{REMOVED}: its node {node.get('NodeManagerAddress', self.nodes[i])} left the cluster"
+            self.awaiting_weights.discard(i)
+            self.group_stale = True
+        try:
+            await asyncio.to_thread(self.router.remove_worker, self.urls[i])
+        except RouterError:  # the router may have dropped it already
+            pass
+        print(f"rollout: engine {i} ({self.urls[i]}) dropped: {self.down[i]}", flush=True)
+        return True
 
     async def _bring_in(self, i: int, how: str) -> bool:
         """Give engine i (out of service) the newest weights and put it in the router: True. When they cannot be
@@ -282,8 +325,10 @@ class EnginePool:
         """Start one more engine (an EngineActor handle, placed), give it the newest weights, put it in the router
         (or keep it out until the next sync, as a restarted engine); returns its index."""
         url = await actor.start.remote(self.api_key)
-        i = len(self.engines)
+        node = await actor.node_id.remote()
+        i = len(self.engines)  # no await from here to the appends: concurrent adds take one index each
         self.engines.append(actor)
+        self.nodes.append(node)
         self.urls.append(url)
         self.clients.append(SGLangClient(url, api_key=self.api_key))
         self.down[i] = "joining"  # no request or sync reaches it until it has the newest weights
@@ -364,7 +409,7 @@ class EnginePool:
 
     async def status(self) -> list[dict]:
         """Per engine: index, url, up (in service), cause (why it is down, else None; ``REMOVED`` for a removed
-        one), in_router and router_healthy (as the router lists it)."""
+        one, followed by why when its node left), in_router and router_healthy (as the router lists it)."""
         workers = {w.get("url"): w for w in await asyncio.to_thread(self.router.workers)}
         return [{"index": i, "url": url, "up": i not in self.down, "cause": self.down.get(i),
                  "in_router": url in workers, "router_healthy": bool(workers.get(url, {}).get("is_healthy"))}

@@ -75,6 +75,7 @@ from slime_hydra.net import backoff_s
 from slime_hydra.reward import RewardScorer
 from slime_hydra.rollout.auth import API_KEY_FILE, new_api_key, write_private
 from slime_hydra.rollout.client import MEMORY_TAGS, EngineError, EngineUnavailable, SGLangClient
+from slime_hydra.rollout.elastic import NodeWatcher
 from slime_hydra.rollout.engine_pool import DRAIN_TIMEOUT_S, EnginePool
 from slime_hydra.rollout.engines.process import last_traceback
 from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, request_seed, sampling_params
@@ -133,7 +134,12 @@ class RolloutManager:
         write_private(self.run_dir / API_KEY_FILE, self.api_key)
         self.router = Router(policy=cfg.rollout.router_policy, log_path=self.run_dir / "logs" / "router.log",
                              api_key=self.api_key)
-        self.pool = EnginePool(engines, self.router, cfg.rollout.health_check_interval_s, self.api_key)
+        self.pool = EnginePool(engines, self.router, cfg.rollout.health_check_interval_s, self.api_key,
+                               elastic=cfg.rollout.elastic)
+        self.engine_gpus = self.rollout.gpus_per_engine if cfg.cluster.gpus_per_node > 0 else 0  # an added one's
+        elastic = cfg.rollout.elastic and engine_spec is not None
+        self.nodes = NodeWatcher(self.pool, engine_spec, self.engine_gpus) if elastic else None
+        """rollout.elastic: engines for the nodes that join (rollout/elastic.py)."""
         self.released: set[str] = set()
         """The MEMORY_TAGS the engines have given back (release_memory) and not resumed yet."""
         self.weights = WeightRelay(self.pool, self.buffer.set_weight_version, self._use_adapter)
@@ -167,6 +173,8 @@ class RolloutManager:
     async def start(self) -> list[str]:
         """Start the router and the engines (EnginePool.start); returns the engine URLs."""
         urls = await self.pool.start()
+        if self.nodes is not None:
+            await self.nodes.start()
         self.client = SGLangClient(self.router.url, api_key=self.api_key)
         self.slots = asyncio.Semaphore(self.rollout.max_concurrency_per_engine * len(urls))
         self.ctx = RolloutContext(self.rollout, self.client, self.tokenizer, self.max_context)
@@ -418,8 +426,7 @@ class RolloutManager:
             raise RuntimeError("this rollout manager was made without an engine spec: it cannot add engines")
         if self.cfg.cluster.colocate:
             raise ValueError("cluster.colocate=true: the engines share the trainer's GPUs, so none can be added")
-        gpus = self.rollout.gpus_per_engine if self.cfg.cluster.gpus_per_node > 0 else 0
-        i = await self.pool.add(self.engine_spec.make(len(self.pool.engines), gpus))
+        i = await self.pool.add(self.engine_spec.make(len(self.pool.engines), self.engine_gpus))
         return (await self.pool.status())[i]
 
     async def remove_engine(self, index: int, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> dict:
@@ -440,6 +447,8 @@ class RolloutManager:
         self.buffer.load_state_dict(state["buffer"])
 
     async def shutdown(self) -> None:
+        if self.nodes is not None:
+            self.nodes.stop()
         if hasattr(self, "client"):
             await self.client.close()
         await self.pool.shutdown()

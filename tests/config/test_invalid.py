@@ -46,6 +46,8 @@ INVALID = [
     (("algo.true_on_policy=true", "model=tiny_moe"), "model.num_experts", "mixture of experts"),
     (("algo.true_on_policy=true", "train.lora.rank=4"), "train.lora.rank", "set train.lora.rank=0"),
     (("algo.true_on_policy=true", "train.compile=true"), "train.compile", "set train.compile=false"),
+    (("rollout.elastic=true", "cluster.colocate=true", "rollout.num_gpus=null"), "rollout.elastic",
+     "set cluster.colocate=false"),
     # deterministic: nothing that timing decides
     (("deterministic=true", "mode=async"), "mode", "set mode=sync"),
     (("deterministic=true", "rollout.over_sampling_batch_prompts=64"), "rollout.over_sampling_batch_prompts",

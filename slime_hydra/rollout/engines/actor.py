@@ -137,6 +137,11 @@ class EngineActor:
     def pid(self) -> Optional[int]:
         return self.process.pid if self.process is not None else None
 
+    def node_id(self) -> str:
+        """The Ray node this engine runs on (hex id): the pool drops the engine when that node leaves
+        (rollout.elastic)."""
+        return ray.get_runtime_context().get_node_id()
+
     def describe(self) -> str:
         """The server process in a few words, for an error: ``pid P running``, or ``pid P exited with code C``
         and the last line of its log."""
