@@ -343,7 +343,7 @@ class Session:
         if self.debug == "train_only":
             with timer.phase("rollout"):
                 return load_saved_rollout(Path(self.cfg.debug.rollout_path), step), {}
-        future = self.rollouts_ahead.popleft() if self.rollouts_ahead else self.manager.generate_batch.remote()
+        future = self.rollouts_ahead.popleft() if self.rollouts_ahead else self.manager.generate_batch.remote(step)
         resends = 0
         while True:
             with timer.phase("rollout"):  # asking the manager whether it lost the weights is part of the wait
@@ -360,7 +360,7 @@ class Session:
         ahead = self.rollouts_ahead  # async: the next max_staleness steps' rollouts (one at least) are on their way
         while self.cfg.mode == "async" and len(ahead) < max(1, self.cfg.max_staleness) \
                 and step + 1 + len(ahead) < self.cfg.num_steps:
-            ahead.append(self.manager.generate_batch.remote())
+            ahead.append(self.manager.generate_batch.remote(step + 1 + len(ahead)))  # the batch of that step
         if self.cfg.debug.save_rollouts:
             save_rollout(self.run_dir / "rollouts", step + 1, result["samples"])
         metrics = dict(result["metrics"], **{"rollout/weight_resends": float(resends)})

@@ -80,6 +80,7 @@ from slime_hydra.rollout.engine_pool import DRAIN_TIMEOUT_S, EnginePool
 from slime_hydra.rollout.engines.process import last_traceback
 from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, request_seed, sampling_params
 from slime_hydra.rollout.router import Router, RouterError
+from slime_hydra.rollout.sample_metrics import hook_counters, is_correct, reward_extras
 from slime_hydra.rollout.weight_relay import WeightRelay
 from slime_hydra.stall import InFlight
 
@@ -151,8 +152,10 @@ class RolloutManager:
         self._reported: dict[str, float] = {}
         self.in_flight = InFlight()
         """Generations and reward groups in flight, for the stall doctor (stall_probe)."""
-        self.one_batch_at_a_time = asyncio.Lock()
+        self.batch_turn = asyncio.Condition()
         """Held while a batch is made: each draws its prompts and takes its groups from the buffer in turn."""
+        self.batches_made: Optional[int] = 0
+        """Training batches made since the run started (checkpointed): the step index of the next one."""
         self.gc_times = heap.GcTimes()
         """This actor's garbage collections (``perf/rollout_gc_time``; its heap is frozen once started)."""
 
@@ -248,11 +251,18 @@ class RolloutManager:
                 s.reward = r
         return samples
 
-    async def generate_batch(self) -> dict:
+    async def generate_batch(self, step: Optional[int] = None) -> dict:
         """One training batch of rollout.batch_prompts groups; returns {"samples": [dict], "metrics": {...}}. Batches
-        are made one at a time, in the order asked for (in async mode the loop asks up to max_staleness ahead)."""
-        async with self.one_batch_at_a_time:
-            return await self._generate_batch()
+        are made one at a time, in step order: ``step`` (0-based, None: whichever comes) waits until the batches of
+        the steps before it are made (in async mode the loop asks up to max_staleness ahead, and Ray starts an
+        async actor's calls in no fixed order)."""
+        async with self.batch_turn:
+            await self.batch_turn.wait_for(lambda: None in (step, self.batches_made) or step <= self.batches_made)
+            try:
+                return await self._generate_batch()
+            finally:
+                self.batches_made = None if self.batches_made is None else self.batches_made + 1
+                self.batch_turn.notify_all()
 
     async def _generate_batch(self) -> dict:
         self.pool.raise_if_failed()
@@ -274,7 +284,7 @@ class RolloutManager:
                     if self.adaptive and all(s.reward is not None for s in group):
                         results.append((group[0].group_index, GroupResult(
                             group[0].metadata["task"], group[0].metadata["level"],
-                            statistics.fmean(float(_correct(s, self.cfg.reward.reward_key)) for s in group))))
+                            statistics.fmean(float(is_correct(s, self.cfg.reward.reward_key)) for s in group))))
                     self.buffer.add_group(group)
                     if self.buffer.enough(batch_prompts) and not abort.is_set() and not all(t.done() for t in tasks):
                         aborted += 1
@@ -315,7 +325,7 @@ class RolloutManager:
         lengths = [s.response_length for s in samples]
         return {**reward_extras(samples, self.cfg.reward.reward_key), **hook_counters(samples),
             "rollout/raw_reward": statistics.fmean(rewards),
-            "rollout/accuracy": statistics.fmean(float(_correct(s, self.cfg.reward.reward_key)) for s in samples),
+            "rollout/accuracy": statistics.fmean(float(is_correct(s, self.cfg.reward.reward_key)) for s in samples),
             "rollout/response_len/mean": statistics.fmean(lengths),
             "rollout/response_len/max": float(max(lengths)),
             "rollout/truncated_ratio": statistics.fmean(float(s.status is Status.TRUNCATED) for s in samples),
@@ -335,7 +345,7 @@ class RolloutManager:
             done = await asyncio.gather(*[self._generate_group(g, ev.params, stream=f"eval/{ev.name}")
                                           for g in groups])
             key = self.cfg.reward.reward_key
-            correct = [[s.reward is not None and _correct(s, key) for s in g] for g in done]
+            correct = [[s.reward is not None and is_correct(s, key) for s in g] for g in done]
             flat = [s for g in done for s in g]
             unscored = [s for s in flat if s.reward is None]  # a failed sample left its group unscored
             if unscored:
@@ -440,11 +450,12 @@ class RolloutManager:
 
     # ---- checkpoint, shutdown ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict(), "buffer": self.buffer.state_dict()}
+        return {"source": self.source.state_dict(), "buffer": self.buffer.state_dict(), "batches": self.batches_made}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.source.load_state_dict(state["source"])
         self.buffer.load_state_dict(state["buffer"])
+        self.batches_made = state.get("batches")  # None (an older checkpoint): batches in the order calls come
 
     async def shutdown(self) -> None:
         if self.nodes is not None:
@@ -458,39 +469,6 @@ def _unreachable(error: BaseException) -> bool:
     """The call never got an engine's answer: nothing listened, or the router could not reach a worker."""
     return isinstance(error, EngineUnavailable) or (
         isinstance(error, EngineError) and error.status in ROUTER_STATUS_RETRIED)
-
-
-def reward_extras(samples: list[Sample], reward_key: Optional[str]) -> dict[str, float]:
-    """``rollout/reward/<key>``: the mean of every numeric entry of dict rewards other than reward.reward_key (a
-    reward may return its parts: {"score": 1.0, "format": 0.5, "length_penalty": -0.1}), over the samples that have
-    it. Booleans count as 0/1; other values are left out."""
-    sums: dict[str, list[float]] = {}
-    for sample in samples:
-        if isinstance(sample.reward, dict):
-            for key, value in sample.reward.items():
-                if key != reward_key and isinstance(value, (int, float)) and math.isfinite(value):
-                    sums.setdefault(str(key), []).append(float(value))
-    return {f"rollout/reward/{key}": statistics.fmean(values) for key, values in sorted(sums.items())}
-
-
-def hook_counters(samples: list[Sample]) -> dict[str, float]:
-    """``rollout/masked_tokens``: response tokens per sample the policy is not trained on (loss_mask 0: tool output,
-    injected text); ``rollout/metadata/<key>``: the mean of every numeric metadata entry over the samples that have
-    it (a hook's counters, e.g. the calculator's ``tool_calls`` and ``tool_errors``; a row's numeric fields)."""
-    out = {"rollout/masked_tokens": statistics.fmean(s.loss_mask.count(0) for s in samples)} if samples else {}
-    values: dict[str, list[float]] = {}
-    for sample in samples:
-        for key, value in sample.metadata.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                values.setdefault(str(key), []).append(float(value))
-    return out | {f"rollout/metadata/{key}": statistics.fmean(v) for key, v in sorted(values.items())}
-
-
-def _correct(sample: Sample, reward_key: Optional[str]) -> bool:
-    """The reward says correct: a dict's ``acc`` when present, else scalar reward >= 1."""
-    if isinstance(sample.reward, dict) and "acc" in sample.reward:
-        return bool(sample.reward["acc"])
-    return sample.scalar_reward(reward_key) >= 1.0
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

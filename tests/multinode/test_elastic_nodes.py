@@ -7,6 +7,7 @@ prompts each, all sampled with the weights of the step before."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,6 +77,7 @@ def test_a_node_that_joins_gets_an_engine_and_one_that_leaves_takes_it_away(two_
     finally:
         for pid, _ in job_processes(two_nodes, "mnode2", job_id):
             subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+        shutil.rmtree(f"/tmp/ray_{job_id}_joined", ignore_errors=True)  # job ids start again at 1 in tests/slurm
     assert end["state"] == "COMPLETED", end
     assert stopped_at < in_service < left_at < STEPS  # steps ran with each layout: one engine, two, one again
     log = job_log(run_dir)

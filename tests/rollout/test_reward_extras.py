@@ -2,7 +2,7 @@
 (rollout/reward/<key>), the tokens not trained on and the numeric metadata a hook or a row carries."""
 
 from slime_hydra.buffer.sample import Sample
-from slime_hydra.rollout.manager import hook_counters, reward_extras
+from slime_hydra.rollout.sample_metrics import hook_counters, reward_extras
 
 
 def test_the_other_entries_of_dict_rewards_are_averaged_over_the_samples_that_have_them():
