@@ -99,3 +99,25 @@ def test_the_invariant_forward_trains_as_the_plain_one(model_dir, packed):
     for (loss, norm), (want_loss, want_norm) in zip(run_ranks(1, _two_steps, model_dir, True, packed)[0], plain):
         assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6) and norm == pytest.approx(want_norm, rel=1e-5)
     assert plain[1][0] < plain[0][0]
+
+
+def _flags_in_forward(rank, world, path):
+    """torch's deterministic-algorithms flag inside each model forward of a logprobs pass and a training step, with
+    the flag on around them (as deterministic=true sets it: TrainRank.setup), and the flag afterwards."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    backend = FSDPBackend(path, TrainConfig(dtype="fp32", micro_batch_samples=4), total_steps=1, batch_invariant=True,
+                          device="cpu")
+    seen = []
+    backend.model.register_forward_hook(lambda *_: seen.append(torch.are_deterministic_algorithms_enabled()))
+    backend.logprobs(toy_batch())
+    backend.train_step(toy_batch(), pg_loss)
+    return seen, torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def test_the_forward_runs_the_engines_kernels_under_deterministic_algorithms(model_dir):
+    """On an H200 torch's deterministic algorithms changed the bits of the trainer's forward (4 of 16 sequences, up to
+    0.0019 nats from the engine's): the forward runs the engine's default kernels (invariant.engine_kernels), the
+    loss, the backward and the optimizer step the deterministic ones."""
+    seen, after, warn_only = run_ranks(1, _flags_in_forward, model_dir)[0]
+    assert seen == [False] * 4  # two micro-batches of 4 in each pass
+    assert after and warn_only
