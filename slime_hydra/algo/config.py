@@ -82,7 +82,8 @@ class AlgoConfig:
     """The trainer's forward computes exactly what the engine computed for every response token: both run the
     batch-invariant forward (model/invariant.py: fixed-shape matmuls, attention in the decode's form, the engine's
     log-softmax), so train/train_rollout_logprob_abs_diff is 0.0 on a sync run, on CPU (fp32) and GPU (bf16). Dense
-    models, an engine kind and a train backend whose records allow it, no LoRA, nothing compiled."""
+    models, an engine kind and a train backend whose records allow it (fsdp; megatron at one rank per replica), no
+    LoRA, nothing compiled."""
     dynamic_filter: Optional[str] = None
     """Group filter for dynamic sampling: nonzero_std (DAPO) or a dotted path to fn(group) -> bool | (bool, reason)."""
     overlong_buffer_tokens: int = non_negative(0)

@@ -40,6 +40,10 @@ def megatron_problems(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       "train.pp=1")
     if problem := megatron_packing_problem(t, m.is_mla):
         yield problem
+    if cfg.algo.true_on_policy and m.is_mla:
+        yield Problem(("algo.true_on_policy", "model.kv_lora_rank"), "train=megatron has no batch-invariant form of "
+                      "multi-latent attention (train/megatron/invariant.py)", "use train=fsdp, or set "
+                      "algo.true_on_policy=false")
     if t.lora.enabled and m.is_mla:
         yield Problem(("train.lora.rank", "train.backend"), "LoRA on multi-latent attention is not built for "
                       "train=megatron", "use train=fsdp, or train.lora.rank=0")

@@ -279,9 +279,15 @@ def check_true_on_policy(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
         yield Problem(("algo.true_on_policy", "rollout.backend"), f"rollout={cfg.rollout.backend} engines do not "
                       "compute tokens batch-invariantly", f"use rollout={engines[0]}, {off}")
     backends = [k.name for k in TRAIN_BACKEND_KINDS.values() if k.batch_invariant]
-    if not TRAIN_BACKEND_KINDS[cfg.train.backend].batch_invariant:
+    kind = TRAIN_BACKEND_KINDS[cfg.train.backend]
+    if not kind.batch_invariant:
         yield Problem(("algo.true_on_policy", "train.backend"), f"train={cfg.train.backend} has no batch-invariant "
                       "forward", f"use train={backends[0]}, {off}")
+    for dim in (dim for dim in kind.parallelism if getattr(cfg.train, dim) > 1):
+        yield Problem(("algo.true_on_policy", f"train.{dim}"), f"train.{dim}={getattr(cfg.train, dim)} splits "
+                      "matmuls or attention over ranks, whose partial results are added in the collective's own "
+                      "order (the batch-invariant forward covers one rank per replica: docs/loop.md)",
+                      f"set train.{dim}=1, {off}")
     if cfg.model.is_moe:
         yield Problem(("algo.true_on_policy", "model.num_experts"), f"model={cfg.model.name} is a mixture of "
                       "experts, whose expert matmuls the batch-invariant forward does not cover", off)

@@ -86,12 +86,18 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _rms_norm_forward(self: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """transformers' RMSNorm (Qwen2, Qwen3, Llama, GLM-4: the same formula) with ``tree_sum``'s mean."""
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Qwen2, Qwen3, Llama, GLM-4: the same formula) with ``tree_sum``'s mean:
+    ``weight * (x / sqrt(mean(x^2) + eps))``, the normalisation in fp32 and cast back to x's dtype before the
+    weight."""
     dtype = hidden.dtype
     hidden = hidden.to(torch.float32)
     variance = tree_sum(hidden.pow(2)) / hidden.shape[-1]
-    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon)).to(dtype)
+    return weight * (hidden * torch.rsqrt(variance + eps)).to(dtype)
+
+
+def _rms_norm_forward(self: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden, self.weight, self.variance_epsilon)
 
 
 def make_batch_invariant(model: torch.nn.Module) -> int:

@@ -70,5 +70,5 @@ register(TrainBackendKind("fsdp", "slime_hydra.train.fsdp.FSDPBackend", parallel
                           deterministic_on_gpu=True))
 register(TrainBackendKind("megatron", "slime_hydra.train.megatron.backend.MegatronBackend", parallelism=PARALLEL_DIMS,
                           sharding="model_parallel", checkpoint_slots="per_slot", packing=True, lora=True, moe=True,
-                          options_key="train.megatron",
+                          batch_invariant=True, options_key="train.megatron",
                           rules="slime_hydra.config.backend_rules.megatron_problems"))

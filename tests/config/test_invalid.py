@@ -41,7 +41,10 @@ INVALID = [
       "train.gradient_checkpointing=true", "algo.routing_replay=true"), "train.gradient_checkpointing",
      "routes again in the backward"),
     # true on-policy: both sides batch-invariant, nothing that rounds otherwise
-    (("algo.true_on_policy=true", "train=megatron"), "train.backend", "use train=fsdp"),
+    ((*BIG, *GPU8, "algo.true_on_policy=true", "train=megatron", "train.num_gpus=2", "train.tp=2",
+      "train.micro_batch_samples=1"), "train.tp", "set train.tp=1"),
+    ((*DSV3, "algo.true_on_policy=true", "train=megatron"), "model.kv_lora_rank", "no batch-invariant form of "
+     "multi-latent attention"),
     ((*BIG, *GPU8, "rollout=sglang", "algo.true_on_policy=true"), "rollout.backend", "use rollout=embedded"),
     (("algo.true_on_policy=true", "model=tiny_moe"), "model.num_experts", "mixture of experts"),
     (("algo.true_on_policy=true", "train.lora.rank=4"), "train.lora.rank", "set train.lora.rank=0"),
@@ -257,6 +260,11 @@ def test_invalid_config_names_key_and_fix(overrides, key, fragment):
     matching = [p for p in error.problems if key in p.keys]
     assert matching, f"no problem names {key}:\n{error}"
     assert any(fragment in f"{p.message}; {p.fix}" for p in matching), f"'{fragment}' not in:\n{error}"
+
+
+def test_true_on_policy_validates_with_megatron_at_one_rank_per_replica():
+    cfg, _ = load("algo.true_on_policy=true", "train=megatron")
+    assert cfg.algo.true_on_policy and cfg.train.tp == 1
 
 
 def test_deterministic_validates_on_gpus_with_a_backend_that_repeats_its_steps_there():

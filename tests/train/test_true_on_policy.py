@@ -14,6 +14,7 @@ from slime_hydra.rollout.engines.embedded.scheduler import Engine
 from slime_hydra.train.batch import collate
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.fsdp import FSDPBackend
+from slime_hydra.train.megatron.backend import MegatronBackend
 from tests.train.harness import pg_loss, run_ranks, tiny_checkpoint, toy_batch
 
 TEMPERATURE = 0.8
@@ -54,9 +55,10 @@ def generate(path, batch_invariant: bool, slots: int = 4, reverse: bool = False,
             for p, o in zip(prompts, outs)]
 
 
-def _trainer_logprobs(rank, world, path, samples, batch_invariant, packed, device="cpu"):
+def _trainer_logprobs(rank, world, path, samples, batch_invariant, packed, device="cpu", kind="fsdp"):
     train = TrainConfig(dtype="bf16" if device == "cuda" else "fp32", micro_batch_samples=2, pack_sequences=packed)
-    backend = FSDPBackend(path, train, total_steps=1, batch_invariant=batch_invariant, device=device)
+    Backend = MegatronBackend if kind == "megatron" else FSDPBackend
+    backend = Backend(path, train, total_steps=1, batch_invariant=batch_invariant, device=device)
     batch = collate([p + r for p, r, _ in samples], [len(r) for _, r, _ in samples],
                     [[1] * len(r) for _, r, _ in samples], pad_id=0)
     logp, _ = backend.logprobs(batch, temperature=TEMPERATURE)
@@ -67,17 +69,20 @@ def differences(samples, logp) -> list[float]:
     return [abs(float(logp[i, j]) - engine) for i, (_, r, lps) in enumerate(samples) for j, engine in enumerate(lps)]
 
 
-@pytest.mark.parametrize("world,packed", [(1, False), (1, True), (2, True)], ids=["padded", "packed", "fsdp-dp2"])
-def test_trainer_logprobs_equal_the_engines_bit_for_bit(model_dir, world, packed):
+@pytest.mark.parametrize("kind,world,packed", [("fsdp", 1, False), ("fsdp", 1, True), ("fsdp", 2, True),
+                                               ("megatron", 1, False), ("megatron", 1, True), ("megatron", 2, False)],
+                         ids=["padded", "packed", "fsdp-dp2", "megatron-padded", "megatron-packed", "megatron-dp2"])
+def test_trainer_logprobs_equal_the_engines_bit_for_bit(model_dir, kind, world, packed):
     samples = generate(model_dir, batch_invariant=True)
     assert sum(len(r) for _, r, _ in samples) == sum(m for _, m in CASES)
-    logp = run_ranks(world, _trainer_logprobs, model_dir, samples, True, packed)[0]
+    logp = run_ranks(world, _trainer_logprobs, model_dir, samples, True, packed, "cpu", kind)[0]
     assert max(differences(samples, logp)) == 0.0
 
 
-def test_without_the_mode_the_logprobs_differ_by_rounding(model_dir):
+@pytest.mark.parametrize("kind", ["fsdp", "megatron"])
+def test_without_the_mode_the_logprobs_differ_by_rounding(model_dir, kind):
     samples = generate(model_dir, batch_invariant=False)
-    gaps = differences(samples, run_ranks(1, _trainer_logprobs, model_dir, samples, False, True)[0])
+    gaps = differences(samples, run_ranks(1, _trainer_logprobs, model_dir, samples, False, True, "cpu", kind)[0])
     assert 0.0 < max(gaps) < 1e-4
 
 
@@ -101,12 +106,13 @@ def test_the_invariant_forward_trains_as_the_plain_one(model_dir, packed):
     assert plain[1][0] < plain[0][0]
 
 
-def _flags_in_forward(rank, world, path):
+def _flags_in_forward(rank, world, path, kind):
     """torch's deterministic-algorithms flag inside each model forward of a logprobs pass and a training step, with
     the flag on around them (as deterministic=true sets it: TrainRank.setup), and the flag afterwards."""
     torch.use_deterministic_algorithms(True, warn_only=True)
-    backend = FSDPBackend(path, TrainConfig(dtype="fp32", micro_batch_samples=4), total_steps=1, batch_invariant=True,
-                          device="cpu")
+    Backend = MegatronBackend if kind == "megatron" else FSDPBackend
+    backend = Backend(path, TrainConfig(dtype="fp32", micro_batch_samples=4), total_steps=1, batch_invariant=True,
+                      device="cpu")
     seen = []
     backend.model.register_forward_hook(lambda *_: seen.append(torch.are_deterministic_algorithms_enabled()))
     backend.logprobs(toy_batch())
@@ -114,10 +120,11 @@ def _flags_in_forward(rank, world, path):
     return seen, torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
 
 
-def test_the_forward_runs_the_engines_kernels_under_deterministic_algorithms(model_dir):
+@pytest.mark.parametrize("kind", ["fsdp", "megatron"])
+def test_the_forward_runs_the_engines_kernels_under_deterministic_algorithms(model_dir, kind):
     """On an H200 torch's deterministic algorithms changed the bits of the trainer's forward (4 of 16 sequences, up to
     0.0019 nats from the engine's): the forward runs the engine's default kernels (invariant.engine_kernels), the
     loss, the backward and the optimizer step the deterministic ones."""
-    seen, after, warn_only = run_ranks(1, _flags_in_forward, model_dir)[0]
+    seen, after, warn_only = run_ranks(1, _flags_in_forward, model_dir, kind)[0]
     assert seen == [False] * 4  # two micro-batches of 4 in each pass
     assert after and warn_only

@@ -1,33 +1,33 @@
 """train=megatron: megatron-core GPTModel with tensor (TP), context (CP), pipeline (PP) and expert (EP, MoE models)
-parallelism inside a model replica and data parallelism (DP) across replicas; the backend protocol
-(train/backend.py), with the same semantics, for the policy (role="actor") and PPO's critic (role="critic").
+parallelism inside a model replica and data parallelism (DP) across replicas; the backend protocol (train/backend.py),
+with the same semantics, for the policy (role="actor") and PPO's critic (role="critic").
 
-Mechanisms in their own modules: the pipeline schedule (pp > 1) in pipeline.py, gradient reduction and the grad
-norm in gradients.py (clipping in the optimizer step, optim.clip_and_step), checkpoint files in checkpoint.py.
+Mechanisms in their own modules: the pipeline schedule (pp > 1) in pipeline.py, gradient reduction and the grad norm in
+gradients.py (clipping in the optimizer step, optim.clip_and_step), checkpoint files in checkpoint.py.
 
-Ranks: world = tp x cp x pp x dp in megatron's order ("tp-cp-ep-dp-pp"): TP fastest, then CP, then DP, PP slowest
-(stage s holds ranks [s * tp * cp * dp, (s + 1) * tp * cp * dp)). TP, CP and PP peers see the same rows (TrainGroup
-deals rows by ``dp_rank``/``dp_size``) and report the same loss, logprobs and grad norm.
+Ranks: world = tp x cp x pp x dp in megatron's order ("tp-cp-ep-dp-pp"): TP fastest, then CP, then DP, PP slowest (stage
+s holds ranks [s * tp * cp * dp, (s + 1) * tp * cp * dp)). TP, CP and PP peers see the same rows (TrainGroup deals rows
+by ``dp_rank``/``dp_size``) and report the same loss, logprobs and grad norm.
 
-Context parallelism (cp > 1; context_parallel.py): each micro-batch's sequences are right-padded to a multiple of
-2 * cp and CP rank r runs chunks r and 2 * cp - 1 - r of them (megatron's load-balanced layout; RoPE rotates by the
-global positions through megatron's own slicing). Attention all-gathers K and V over CP (not ring attention: every
-rank holds the whole sequence's K/V, one layer at a time). The last stage gathers the per-position logprobs, entropy
-or values over CP, so every CP rank computes the same loss on the full [B, T]; a token budget
-(``train.max_tokens_per_gpu``) counts per GPU, so micro-batches pack cp times as many tokens.
+Context parallelism (cp > 1; context_parallel.py): each micro-batch's sequences are right-padded to a multiple of 2 * cp
+and CP rank r runs chunks r and 2 * cp - 1 - r of them (megatron's load-balanced layout; RoPE rotates by the global
+positions through megatron's own slicing). Attention all-gathers K and V over CP (not ring attention: every rank holds
+the whole sequence's K/V, one layer at a time). The last stage gathers the per-position logprobs, entropy or values over
+CP, so every CP rank computes the same loss on the full [B, T]; a token budget (``train.max_tokens_per_gpu``) counts per
+GPU, so micro-batches pack cp times as many tokens.
 
-Loss scaling (as FSDP, over DP ranks): the loss callable's micro-batch mean is scaled by
-units(micro) / units(global batch, summed over DP ranks) * dp_size; gradients are summed over micro-batches and
-averaged over the DP group, so the step equals one on the global-batch mean whatever the micro-batch split. CP
-ranks compute the same loss, but each one's backward covers only its own chunks' share of the gradient.
+Loss scaling (as FSDP, over DP ranks): the loss callable's micro-batch mean is scaled by units(micro) / units(global
+batch, summed over DP ranks) * dp_size; gradients are summed over micro-batches and averaged over the DP group, so the
+step equals one on the global-batch mean whatever the micro-batch split. CP ranks compute the same loss, but each one's
+backward covers only its own chunks' share of the gradient.
 
 Optimizer: megatron's DistributedOptimizer needs CUDA and megatron's own training loop state; this backend uses
 optim.py's AdamW over this rank's parameter shards (fp32 masters; bf16 compute on GPU: see Precision below); with
-``train.distributed_optimizer`` (default) and more than one data-parallel-with-CP peer, its state is sharded over
-those peers (ZeRO-1, torch's ZeroRedundancyOptimizer: each parameter's Adam state lives on one peer, which
-updates it and broadcasts it), megatron's distributed optimizer in effect, on CPU and GPU alike. With ep > 1 a
-rank's experts are a second part (optim.Partitioned), sharded over the expert-data-parallel peers (the ranks
-holding the same experts), as megatron's distributed optimizer shards expert parameters over its expert-DP group.
+``train.distributed_optimizer`` (default) and more than one data-parallel-with-CP peer, its state is sharded over those
+peers (ZeRO-1, torch's ZeroRedundancyOptimizer: each parameter's Adam state lives on one peer, which updates it and
+broadcasts it), megatron's distributed optimizer in effect, on CPU and GPU alike. With ep > 1 a rank's experts are a
+second part (optim.Partitioned), sharded over the expert-data-parallel peers (the ranks holding the same experts), as
+megatron's distributed optimizer shards expert parameters over its expert-DP group.
 
 Logprobs: the output layer stays vocab-parallel; vocab_parallel.py turns this rank's logit slice into logprobs and
 entropy with all-reduces of max, sum-exp and the target logit over TP.
@@ -38,57 +38,44 @@ Critic (role="critic"): the same trunk with ``spec.ValueHead`` as the output lay
 
 Reference policy: this rank's initial parameter shards on the host, swapped in for ``policy="ref"``.
 
-Precision and speed (a 0.5B model's step is ~1,200 short kernels): parameters are fp32 masters (the
-optimizer, gradient reduction, checkpoints, weight sync and the reference swap see only those); with bf16 on GPU
-the forward/backward run on ``precision.ComputeCopy``'s bf16 copies of this rank's shards (one multi-tensor copy in,
-each backward's bf16 gradients added into the masters' fp32 ``.grad``), not under torch.autocast (a cast per weight
-use). With ``train.compile`` (null: on with CUDA) each TransformerLayer's forward and, at tp=1 cp=1, the logprob
-head (logsumexp of the kept positions, batch.response_logprobs) are torch.compiled. The LM head runs only from the
-first position that predicts a response token, batch-major so its logits need no transposed copy (cp=1). No device
-sync inside the micro-batch loop (loss weights from host tensors; the clip coefficient stays on the device; metrics
-are read once, after the optimizer step). Each layer compiles to one graph (spec.RowParallelLinear), which
-``train.cuda_graphs`` replays as CUDA graphs (forward and backward).
+Precision and speed (a 0.5B model's step is ~1,200 short kernels): parameters are fp32 masters (the optimizer, gradient
+reduction, checkpoints, weight sync and the reference swap see only those); with bf16 on GPU the forward/backward run on
+``precision.ComputeCopy``'s bf16 copies of this rank's shards (one multi-tensor copy in, each backward's bf16 gradients
+added into the masters' fp32 ``.grad``), not under torch.autocast (a cast per weight use). With ``train.compile`` (null:
+on with CUDA) each TransformerLayer's forward and, at tp=1 cp=1, the logprob head (logsumexp of the kept positions,
+batch.response_logprobs) are torch.compiled. The LM head runs only from the first position that predicts a response
+token, batch-major so its logits need no transposed copy (cp=1). No device sync inside the micro-batch loop (loss
+weights from host tensors; the clip coefficient stays on the device; metrics are read once, after the optimizer step).
+Each layer compiles to one graph (spec.RowParallelLinear), which ``train.cuda_graphs`` replays as CUDA graphs (forward
+and backward).
 
-LoRA (train.lora.rank > 0; lora.py): PEFT's adapters on megatron's fused, TP-split linears, one A and B per
-targeted HF module (q/k/v inside linear_qkv, gate/up inside linear_fc1, o_proj, down_proj), each module's
-s * B (A x) landing in its rows of the fused output (s = alpha / rank). The base is frozen (requires_grad off; with
-bf16 compute kept in bf16 without an fp32 master; no optimizer state; the TransformerEngine spec is not used, its
-fused norm-linear hides the adapters' input); ComputeCopy, the optimizer, gradient reduction and the grad norm see
-only the adapters (and the biases train.lora.bias names). The reference policy is the base model: the adapters
-switched off (and trained biases swapped back). ``iter_full_weights``/``export_hf`` give merged weights
-W + s * B A; ``iter_adapter_weights``/``export_adapter`` the full A and B under PEFT's keys; ``load_adapter`` reads a
-PEFT directory; checkpoints hold the adapters and their optimizer state (the base reloads from the model path).
-With pp > 1 each stage holds its layers' adapters (``iter_adapter_weights`` sends them to every stage).
-Refused with LoRA: dropout with tp > 1, sequence parallelism and the rest of
-train/config.megatron_lora_problems (config validation refuses them first). PPO's critic trains fully.
+LoRA (train.lora.rank > 0; lora.py): PEFT's adapters on megatron's fused, TP-split linears, one A and B per targeted HF
+module (q/k/v inside linear_qkv, gate/up inside linear_fc1, o_proj, down_proj), each module's s * B (A x) landing in its
+rows of the fused output (s = alpha / rank). The base is frozen (requires_grad off; with bf16 compute kept in bf16
+without an fp32 master; no optimizer state; the TransformerEngine spec is not used, its fused norm-linear hides the
+adapters' input); ComputeCopy, the optimizer, gradient reduction and the grad norm see only the adapters (and the biases
+train.lora.bias names). The reference policy is the base model: the adapters switched off (and trained biases swapped
+back). ``iter_full_weights``/``export_hf`` give merged weights W + s * B A; ``iter_adapter_weights``/``export_adapter``
+the full A and B under PEFT's keys; ``load_adapter`` reads a PEFT directory; checkpoints hold the adapters and their
+optimizer state (the base reloads from the model path). With pp > 1 each stage holds its layers' adapters
+(``iter_adapter_weights`` sends them to every stage). Refused with LoRA: dropout with tp > 1, sequence parallelism and
+the rest of train/config.megatron_lora_problems (config validation refuses them first). PPO's critic trains fully.
 
-Mixture of experts (Qwen3-MoE, GLM-4.5, DeepSeek-V3; moe.py): megatron's MoELayer in the sparse layers, experts
-TP-split like dense MLPs. DeepSeek-V3's multi-latent attention: mla.py (LoRA on it is refused).
-Expert parallelism (train.ep > 1) splits each layer's experts over ep ranks of a pipeline stage that are DP or CP
-peers (EP rank k holds experts [k E / ep, (k + 1) E / ep); megatron's expert grid "tp-ep-dp-pp" folds the stage's
-cp x dp ranks into EP x expert-DP, so ep divides cp x dp); the dispatcher all-gathers the EP group's tokens (CP
-peers' are other chunks of the same sequences), and EP peers run the same number of micro-batches
-(``_micro_batches`` adds empty ones to the ranks with fewer), which with pp > 1 puts each MoE layer's collectives
-at the same place of every peer's 1F1B order (it depends only on the stage and the count). Expert gradients are
-reduced over the expert-data-parallel group, the grad norm sums each EP rank's experts once, the ZeRO optimizer
-shards the experts' state over the expert-data-parallel peers and the rest over DP x CP, checkpoints hold one file
-per (PP stage, TP rank, EP rank) and the dense optimizer state in one per (PP stage, TP rank), and weight export gathers every expert of every stage on every rank. Built and
-tested with TP, DP, PP and CP (train/config.megatron_moe_problems refuses an ep not dividing E and cp x dp). The
-router's load-balancing loss (megatron's switch loss per MoE layer and micro-batch) is off unless
-``train.megatron.moe_aux_loss_coeff`` > 0; each micro-batch's is weighted like its main loss (units(micro) /
-units(global) * dp, through megatron's MoEAuxLossAutoScaler, whose scale each MoE layer's backward reads: every
-stage sets it right before each micro-batch's backward, which with pp > 1 follows later forwards); train=fsdp
-trains without one, so the two are compared with it off.
+Mixture of experts (Qwen3-MoE, GLM-4.5, DeepSeek-V3): megatron's MoELayer in the sparse layers, experts TP-split like
+dense MLPs, expert parallelism (train.ep > 1) and the load-balancing loss: moe.py, whose docstring says how this backend
+lays them out. DeepSeek-V3's multi-latent attention: mla.py (LoRA on it is refused). algo.true_on_policy (one rank per
+replica, dense): invariant.py.
 
-Routing replay (algo.routing_replay): a batch with ``routed_experts`` routes every MoE layer's tokens to the experts
-the engine chose (moe.ReplayedChoice), in every forward; PPO's critic routes itself.
+Routing replay (algo.routing_replay): a batch with ``routed_experts`` routes every MoE layer's tokens to the experts the
+engine chose (moe.ReplayedChoice), in every forward; PPO's critic routes itself.
 
 Padding-free micro-batches (``train.pack_sequences``): packed.py.
 
-Not supported: LoRA on routed experts (on a MoE model's attention it works); ring attention or packed sequences
-under CP.
+Not supported: LoRA on routed experts (on a MoE model's attention it works); ring attention or packed sequences under
+CP.
 """
 
+import functools
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -98,6 +85,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+from slime_hydra.model.invariant import engine_kernels
 from slime_hydra.routed_experts import NO_EXPERT
 from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting_position, loss_units,
                                      micro_batches, predicting_positions, response_logprobs, response_values)
@@ -111,6 +99,7 @@ from slime_hydra.train.megatron.context_parallel import gather_sequence, local_p
 from slime_hydra.train.megatron.convert import (TIED_COPY, iter_hf_weights, load_hf_weights, stage_parameters,
                                                 stage_table, transformers_names)
 from slime_hydra.train.megatron.gradients import Gradients
+from slime_hydra.train.megatron.invariant import make_invariant, refuse_uncovered
 from slime_hydra.train.megatron.lora import MegatronLora, trainable_bias
 from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, transformer_config,
                                               transformer_engine_available)
@@ -125,7 +114,9 @@ from slime_hydra.train.optim import build_optimizer, clip_and_step, is_sharded
 
 class MegatronBackend(TrainBackend):
     def __init__(self, model_path: str | Path, train: TrainConfig, total_steps: int, loss_agg: str = "token_mean",
-                 keep_reference: bool = False, device: str | None = None, role: str = "actor"):
+                 keep_reference: bool = False, device: str | None = None, role: str = "actor",
+                 batch_invariant: bool = False):
+        """batch_invariant: the forward of algo.true_on_policy (train/megatron/invariant.py)."""
         from megatron.core import parallel_state
 
         if not dist.is_initialized():
@@ -155,6 +146,8 @@ class MegatronBackend(TrainBackend):
                                              self.arch.fused_gate_up, self.arch.qkv_bias, train.megatron)
             if refused:
                 raise ValueError("train=megatron with train.lora: " + "; ".join(map(str, refused)))
+        if batch_invariant:
+            refuse_uncovered(train, self.arch)
         init_parallel(train.tp, train.pp, train.cp, train.ep)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.cp_group = parallel_state.get_context_parallel_group()
@@ -172,7 +165,7 @@ class MegatronBackend(TrainBackend):
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
 
         # LoRA hooks need the linears' own input: TE's fused norm-linear hides it, so LoRA runs the local spec
-        use_te = transformer_engine_available() and self.device.type == "cuda" and not lora
+        use_te = transformer_engine_available() and self.device.type == "cuda" and not lora and not batch_invariant
         overrides = dict(train.megatron)
         if train.gradient_checkpointing:
             overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
@@ -185,6 +178,9 @@ class MegatronBackend(TrainBackend):
         self._packed: PackedBatch | None = None  # the packed layout of the micro-batch in flight
         self.model = build_model(self.arch, config, use_te, self.device, head=self.head)
         load_hf_weights(self.model, model_path, self.arch, head=self.head)
+        if batch_invariant:  # and the engine's kernels under deterministic=true (model/invariant.engine_kernels)
+            make_invariant(self.model, self.arch.fused_gate_up)
+            self._stage, self._head = (engine_kernels()(f) for f in (self._stage, self._head))
         self._routers = {layer.layer_number - 1: layer.mlp.router for layer in self.model.decoder.layers
                          if isinstance(layer.mlp, MoE) and role == "actor"}
         """0-based layer number -> this stage's MoE routers (routing replay; PPO's critic routes itself)."""
@@ -206,12 +202,14 @@ class MegatronBackend(TrainBackend):
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self._compute = ComputeCopy(self.model, low, trainable) if low != torch.float32 else None
         self.pipeline = Pipeline(self._stage, self._activation_shape, self.pp_group, self.device, self._compute)
-        self.compiled = train.compile if train.compile is not None else self.device.type == "cuda"
+        self.compiled = not batch_invariant and (train.compile if train.compile is not None
+                                                 else self.device.type == "cuda")
         if self.compiled:  # each layer's forward; megatron's recompute (if on) calls it eagerly around the graph
             allow_recompiles(2 * len(self.model.decoder.layers) + 8)  # room for a guard on a per-layer attribute
             for layer in self.model.decoder.layers:
                 layer.forward = torch.compile(layer.forward, options=compile_options(train))
         head = packed_logprobs if self.packed else response_logprobs
+        head = functools.partial(head, invariant=True) if batch_invariant else head
         self._lm_logprobs = torch.compile(head) if self.compiled else head
         self._keep_from = 0  # the LM head's first position (set per micro-batch; cp=1 only)
         if self.last_stage and self.head == "lm" and self.cp_size == 1 and not config.sequence_parallel:

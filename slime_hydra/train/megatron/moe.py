@@ -27,6 +27,22 @@ backend's:
 megatron's MoELayer.forward refuses to train with TP > 1 without sequence parallelism (its dispatchers would count
 each token tp times); ``MoE.forward`` calls the same steps (route, dispatch, experts, combine) with the collectives
 above, for which replicated tokens are exact.
+
+In the backend (backend.py): expert parallelism (train.ep > 1) splits each layer's experts over ep ranks of a pipeline
+stage that are DP or CP peers (EP rank k holds experts [k E / ep, (k + 1) E / ep); megatron's expert grid "tp-ep-dp-pp"
+folds the stage's cp x dp ranks into EP x expert-DP, so ep divides cp x dp); the dispatcher all-gathers the EP group's
+tokens (CP peers' are other chunks of the same sequences), and EP peers run the same number of micro-batches
+(``_micro_batches`` adds empty ones to the ranks with fewer), which with pp > 1 puts each MoE layer's collectives at the
+same place of every peer's 1F1B order (it depends only on the stage and the count). Expert gradients are reduced over
+the expert-data-parallel group, the grad norm sums each EP rank's experts once, the ZeRO optimizer shards the experts'
+state over the expert-data-parallel peers and the rest over DP x CP, checkpoints hold one file per (PP stage, TP rank,
+EP rank) and the dense optimizer state in one per (PP stage, TP rank), and weight export gathers every expert of every
+stage on every rank. Built and tested with TP, DP, PP and CP (train/config.megatron_moe_problems refuses an ep not
+dividing E and cp x dp). The router's load-balancing loss (megatron's switch loss per MoE layer and micro-batch) is off
+unless ``train.megatron.moe_aux_loss_coeff`` > 0; each micro-batch's is weighted like its main loss (units(micro) /
+units(global) * dp, through megatron's MoEAuxLossAutoScaler, whose scale each MoE layer's backward reads: every stage
+sets it right before each micro-batch's backward, which with pp > 1 follows later forwards); train=fsdp trains without
+one, so the two are compared with it off.
 """
 
 import copy
