@@ -139,7 +139,7 @@ class RolloutManager:
                                elastic=cfg.rollout.elastic)
         self.engine_gpus = self.rollout.gpus_per_engine if cfg.cluster.gpus_per_node > 0 else 0  # an added one's
         elastic = cfg.rollout.elastic and engine_spec is not None
-        self.nodes = NodeWatcher(self.pool, engine_spec, self.engine_gpus) if elastic else None
+        self.node_watcher = NodeWatcher(self.pool, engine_spec, self.engine_gpus) if elastic else None
         """rollout.elastic: engines for the nodes that join (rollout/elastic.py)."""
         self.released: set[str] = set()
         """The MEMORY_TAGS the engines have given back (release_memory) and not resumed yet."""
@@ -176,8 +176,8 @@ class RolloutManager:
     async def start(self) -> list[str]:
         """Start the router and the engines (EnginePool.start); returns the engine URLs."""
         urls = await self.pool.start()
-        if self.nodes is not None:
-            await self.nodes.start()
+        if self.node_watcher is not None:
+            await self.node_watcher.start()
         self.client = SGLangClient(self.router.url, api_key=self.api_key)
         self.slots = asyncio.Semaphore(self.rollout.max_concurrency_per_engine * len(urls))
         self.ctx = RolloutContext(self.rollout, self.client, self.tokenizer, self.max_context)
@@ -458,8 +458,8 @@ class RolloutManager:
         self.batches_made = state.get("batches")  # None (an older checkpoint): batches in the order calls come
 
     async def shutdown(self) -> None:
-        if self.nodes is not None:
-            self.nodes.stop()
+        if self.node_watcher is not None:
+            self.node_watcher.stop()
         if hasattr(self, "client"):
             await self.client.close()
         await self.pool.shutdown()
