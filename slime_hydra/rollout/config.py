@@ -38,7 +38,7 @@ class RolloutConfig:
     gpus_per_engine: int = positive(1)
     """GPUs per engine = the engine's tensor-parallel size."""
     max_concurrency_per_engine: int = positive(256)
-    """In-flight /generate requests per engine."""
+    """In-flight /generate requests per engine (the manager's cap follows engines added and removed mid-run)."""
     router_policy: str = choice("round_robin", ROUTER_POLICIES)
     """sglang-router load-balancing policy: round_robin | cache_aware | random | power_of_two."""
     partial_rollout: bool = False

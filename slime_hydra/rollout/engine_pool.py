@@ -58,6 +58,33 @@ REMOVED = "removed"
 """The cause of a removed engine (``down``)."""
 
 
+class InFlightLimit:
+    """``async with limit:`` around one request: at most ``per_engine`` requests in flight per engine of the pool
+    (``engines()``: how many now, the removed ones not counted), a limit that follows engines added and removed mid-run
+    (asyncio.Semaphore's is fixed when it is made). A waiting request goes when one in flight ends and the limit has
+    room: after an engine was added, as many as it has room for."""
+
+    def __init__(self, per_engine: int, engines: Callable[[], int]):
+        self.per_engine, self.engines = per_engine, engines
+        self.held = 0
+        """Requests in flight."""
+        self._turn = asyncio.Condition()
+
+    @property
+    def limit(self) -> int:
+        return self.per_engine * max(1, self.engines())
+
+    async def __aenter__(self) -> None:
+        async with self._turn:
+            await self._turn.wait_for(lambda: self.held < self.limit)
+            self.held += 1
+
+    async def __aexit__(self, *_exc) -> None:
+        async with self._turn:
+            self.held -= 1
+            self._turn.notify(max(0, self.limit - self.held))
+
+
 class EnginePool:
     def __init__(self, engines: list, router: Router, health_check_interval_s: float, api_key: Optional[str] = None,
                  elastic: bool = False):

@@ -9,7 +9,7 @@ actor's own methods only). One training batch::
 
 runs the buffer's rounds (buffer/buffer.py): each round starts every group it was given (recycled ones first),
 each group's samples generate concurrently through the router (at most ``max_concurrency_per_engine`` requests
-in flight per engine), a group is scored as soon as all its samples are back, then handed to the buffer
+in flight per engine in service: engine_pool.InFlightLimit), a group is scored as soon as all its samples are back, then handed to the buffer
 (filters, staleness). Once the buffer holds ``batch_prompts`` kept groups, the rest of the round is aborted on
 every engine (``/abort_request``; sglang-router does not forward it, so engines are called directly): their
 partial samples come back aborted and the buffer recycles them (``rollout.partial_rollout``) or drops them.
@@ -76,7 +76,7 @@ from slime_hydra.reward import RewardScorer
 from slime_hydra.rollout.auth import API_KEY_FILE, new_api_key, write_private
 from slime_hydra.rollout.client import MEMORY_TAGS, EngineError, EngineUnavailable, SGLangClient
 from slime_hydra.rollout.elastic import NodeWatcher
-from slime_hydra.rollout.engine_pool import DRAIN_TIMEOUT_S, EnginePool
+from slime_hydra.rollout.engine_pool import DRAIN_TIMEOUT_S, EnginePool, InFlightLimit
 from slime_hydra.rollout.engines.process import last_traceback
 from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, request_seed, sampling_params
 from slime_hydra.rollout.router import Router, RouterError
@@ -179,7 +179,8 @@ class RolloutManager:
         if self.node_watcher is not None:
             await self.node_watcher.start()
         self.client = SGLangClient(self.router.url, api_key=self.api_key)
-        self.slots = asyncio.Semaphore(self.rollout.max_concurrency_per_engine * len(urls))
+        self.slots = InFlightLimit(self.rollout.max_concurrency_per_engine,
+                                   lambda: len(self.pool.engines) - len(self.pool.removed))
         self.ctx = RolloutContext(self.rollout, self.client, self.tokenizer, self.max_context)
         heap.freeze()  # this actor's process is the rollout manager alone
         self.gc_times.start()
