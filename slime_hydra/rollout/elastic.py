@@ -63,5 +63,5 @@ class NodeWatcher:
             print(f"rollout: node {node['NodeManagerAddress']} joined the cluster: starting {count} engine(s) on it",
                   flush=True)
             for _ in range(count):
-                added.append(await self.pool.add(self.spec.make(len(self.pool.engines), gpus, where)))
+                added.append(await self.pool.add(lambda index: self.spec.make(index, gpus, where)))
         return added

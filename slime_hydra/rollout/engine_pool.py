@@ -34,7 +34,7 @@ nodes that join come through ``add`` (rollout/elastic.py).
 """
 
 import asyncio
-from typing import Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import ray
 
@@ -118,6 +118,8 @@ class EnginePool:
         self._restarts: dict[int, asyncio.Task] = {}
         self._unhealthy_checks: dict[int, int] = {}
         self._check_lock = asyncio.Lock()
+        self._adding = asyncio.Lock()
+        """Held by ``add`` while its engine starts."""
         self._monitor: Optional[asyncio.Task] = None
         self.failed: Optional[BaseException] = None
         """An engine actor died (found by the periodic check or a restart): no restart can help; raised by
@@ -255,6 +257,12 @@ class EnginePool:
         self._restarts[i] = asyncio.ensure_future(self._take_out_and_restart(i, cause))
 
     async def _take_out_and_restart(self, i: int, cause: str) -> None:
+        if self.elastic:  # an engine whose node left is dropped, not counted as restarted (_left_with_its_node)
+            try:
+                await self.engines[i].alive.remote()
+            except ray.exceptions.RayActorError:
+                if await self._left_with_its_node(i):
+                    return
         await self._take_out(i, cause)
         await self._restart(i)
 
@@ -348,18 +356,21 @@ class EnginePool:
             print(f"rollout: engine {i} ({self.urls[i]}) is back (a weight sync reached it)", flush=True)
 
     # ---- elastic: engines added and removed while the run goes on -----------------------------------------------
-    async def add(self, actor) -> int:
-        """Start one more engine (an EngineActor handle, placed), give it the newest weights, put it in the router
-        (or keep it out until the next sync, as a restarted engine); returns its index."""
-        url = await actor.start.remote(self.api_key)
-        node = await actor.node_id.remote()
-        i = len(self.engines)  # no await from here to the appends: concurrent adds take one index each
-        self.engines.append(actor)
-        self.nodes.append(node)
-        self.urls.append(url)
-        self.clients.append(SGLangClient(url, api_key=self.api_key))
-        self.down[i] = "joining"  # no request or sync reaches it until it has the newest weights
-        self.group_stale = True  # a broadcast group is formed again with it
+    async def add(self, make: Callable[[int], Any]) -> int:
+        """Start one more engine (``make(index)``: its EngineActor handle, placed), give it the newest weights, put it
+        in the router (or keep it out until the next sync, as a restarted engine); returns its index. Adds start
+        their engines one at a time, so the index an actor is made with (its log's name) is the one it gets."""
+        async with self._adding:
+            i = len(self.engines)
+            actor = make(i)
+            url = await actor.start.remote(self.api_key)
+            node = await actor.node_id.remote()
+            self.engines.append(actor)
+            self.nodes.append(node)
+            self.urls.append(url)
+            self.clients.append(SGLangClient(url, api_key=self.api_key))
+            self.down[i] = "joining"  # no request or sync reaches it until it has the newest weights
+            self.group_stale = True  # a broadcast group is formed again with it
         joined = await self._bring_in(i, "joined")
         print(f"rollout: engine {i} ({url}) joined; it takes traffic "
               f"{'now' if joined else 'after the next weight sync'}", flush=True)

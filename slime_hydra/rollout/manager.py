@@ -437,7 +437,7 @@ class RolloutManager:
             raise RuntimeError("this rollout manager was made without an engine spec: it cannot add engines")
         if self.cfg.cluster.colocate:
             raise ValueError("cluster.colocate=true: the engines share the trainer's GPUs, so none can be added")
-        i = await self.pool.add(self.engine_spec.make(len(self.pool.engines), self.engine_gpus))
+        i = await self.pool.add(lambda index: self.engine_spec.make(index, self.engine_gpus))
         return (await self.pool.status())[i]
 
     async def remove_engine(self, index: int, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> dict:

@@ -87,6 +87,7 @@ def test_a_node_that_joins_gets_an_engine_and_one_that_leaves_takes_it_away(two_
     rows = trained_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["rollout/weight_version_lag"] == 0 for r in rows)  # the added engine never served old weights
+    assert sum(r["rollout/engine_restarts"] for r in rows) == 0  # dropped with its node, however found: no restart
     prompts = []
     for step in range(1, STEPS + 1):
         saved = (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text()
