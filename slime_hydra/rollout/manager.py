@@ -267,7 +267,7 @@ class RolloutManager:
 
     async def _generate_batch(self) -> dict:
         self.pool.raise_if_failed()
-        start = time.monotonic()
+        start, serving = time.monotonic(), len(self.pool.engines) - len(self.pool.down)
         batch_prompts = self.rollout.batch_prompts
         params = sampling_params(self.rollout)
         aborted, errors, results = 0, [], []
@@ -307,6 +307,7 @@ class RolloutManager:
         metrics = self._rollout_metrics(samples)
         metrics.update({f"rollout/buffer/{k}": float(v) for k, v in batch.counts.items()})
         metrics["rollout/aborts"] = float(aborted)
+        metrics["rollout/engines_in_service"] = float(serving)  # when the batch began (elastic engines change it)
         if self.adaptive:
             metrics.update(self.source.update([r for _, r in sorted(results, key=lambda x: x[0])]))
         # what happened since the previous batch's report (a restart may begin or end between batches)

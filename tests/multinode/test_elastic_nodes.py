@@ -29,6 +29,11 @@ ONE_NODE = (*[o for o in SMALL if not o.startswith(("train.num_gpus", "rollout.n
 """SMALL on one node: one trainer rank, one engine."""
 
 
+def layouts(run_dir: Path) -> list[int]:
+    """Each trained step's engines in service when its rollout began (rollout/engines_in_service)."""
+    return [int(row["rollout/engines_in_service"]) for row in trained_rows(run_dir)]
+
+
 def manager_said(job_id: str, text: str) -> bool:
     """The rollout manager printed ``text`` (its Ray worker log on the head; the driver, stopped, forwards nothing)."""
     return any(text in path.read_text(errors="replace")
@@ -63,8 +68,7 @@ def test_a_node_that_joins_gets_an_engine_and_one_that_leaves_takes_it_away(two_
                    "engine 1 started on node 2")  # out of the router until the next broadcast reaches it
         os.kill(driver, signal.SIGCONT)
         wait_until(lambda: manager_said(job_id, "(a weight sync reached it)"), 300, "engine 1 in service")
-        in_service = len(trained_steps(run_dir))
-        wait_until(lambda: len(trained_steps(run_dir)) >= in_service + 1, 300, "a step with both engines", poll_s=0.2)
+        wait_until(lambda: 2 in layouts(run_dir), 300, "a step begun with both engines", poll_s=0.2)
 
         os.kill(driver, signal.SIGSTOP)
         left_at = len(trained_steps(run_dir))
@@ -79,7 +83,9 @@ def test_a_node_that_joins_gets_an_engine_and_one_that_leaves_takes_it_away(two_
             subprocess.run(["kill", "-9", str(pid)], capture_output=True)
         shutil.rmtree(f"/tmp/ray_{job_id}_joined", ignore_errors=True)  # job ids start again at 1 in tests/slurm
     assert end["state"] == "COMPLETED", end
-    assert stopped_at < in_service < left_at < STEPS  # steps ran with each layout: one engine, two, one again
+    assert stopped_at < left_at < STEPS
+    # steps ran with each layout, in order: one engine, two, one again (consecutive repeats merged)
+    assert [n for i, n in enumerate(layouts(run_dir)) if i == 0 or n != layouts(run_dir)[i - 1]] == [1, 2, 1]
     log = job_log(run_dir)
     assert f"node {FABRIC['mnode2']} joined the cluster: starting 1 engine(s) on it" in log
     assert re.search(rf"engine 1 \(http://{re.escape(FABRIC['mnode2'])}:\d+\) dropped: removed: its node "
