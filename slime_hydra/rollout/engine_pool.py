@@ -209,6 +209,16 @@ class EnginePool:
                     self.failed = error
                     return
 
+    @property
+    def kept(self) -> int:
+        """Engines not removed (those down for a restart included)."""
+        return len(self.engines) - len(self.removed)
+
+    @property
+    def in_service(self) -> int:
+        """Engines in service now (not down, not removed)."""
+        return len(self.engines) - len(self.down)
+
     def raise_if_failed(self) -> None:
         """Raise the error that stopped the health checks, if one did."""
         if self.failed is not None:

@@ -7,14 +7,14 @@ actor's own methods only). One training batch::
 
     batch = await manager.generate_batch()     # {"samples": [...], "metrics": {...}}
 
-runs the buffer's rounds (buffer/buffer.py): each round starts every group it was given (recycled ones first),
-each group's samples generate concurrently through the router (at most ``max_concurrency_per_engine`` requests
-in flight per engine in service: engine_pool.InFlightLimit), a group is scored as soon as all its samples are back, then handed to the buffer
-(filters, staleness). Once the buffer holds ``batch_prompts`` kept groups, the rest of the round is aborted on
-every engine (``/abort_request``; sglang-router does not forward it, so engines are called directly): their
-partial samples come back aborted and the buffer recycles them (``rollout.partial_rollout``) or drops them.
-A round whose groups are all done while samples still wait for a concurrency slot never sends those: once the
-abort is decided they come back aborted without a request.
+runs the buffer's rounds (buffer/buffer.py): each round starts every group it was given (recycled ones first), each
+group's samples generate concurrently through the router (at most ``max_concurrency_per_engine`` requests in flight
+per engine in service: engine_pool.InFlightLimit), a group is scored as soon as all its samples are back, then
+handed to the buffer (filters, staleness). Once the buffer holds ``batch_prompts`` kept groups, the rest of the
+round is aborted on every engine (``/abort_request``; sglang-router does not forward it, so engines are called
+directly): their partial samples come back aborted and the buffer recycles them (``rollout.partial_rollout``) or
+drops them. A round whose groups are all done while samples still wait for a concurrency slot never sends those:
+once the abort is decided they come back aborted without a request.
 
 Retries. A ``/generate`` that cannot reach an engine (connection error, router 502/503/504) is retried through the
 router up to ``rollout.max_generate_retries`` times (``net.backoff_s`` from 0.5 s; a health check runs first, so a
@@ -180,7 +180,7 @@ class RolloutManager:
             await self.node_watcher.start()
         self.client = SGLangClient(self.router.url, api_key=self.api_key)
         self.slots = InFlightLimit(self.rollout.max_concurrency_per_engine,
-                                   lambda: len(self.pool.engines) - len(self.pool.removed))
+                                   lambda: self.pool.kept)
         self.ctx = RolloutContext(self.rollout, self.client, self.tokenizer, self.max_context)
         heap.freeze()  # this actor's process is the rollout manager alone
         self.gc_times.start()
@@ -267,7 +267,7 @@ class RolloutManager:
 
     async def _generate_batch(self) -> dict:
         self.pool.raise_if_failed()
-        start, serving = time.monotonic(), len(self.pool.engines) - len(self.pool.down)
+        start, serving = time.monotonic(), self.pool.in_service
         batch_prompts = self.rollout.batch_prompts
         params = sampling_params(self.rollout)
         aborted, errors, results = 0, [], []

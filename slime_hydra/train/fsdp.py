@@ -124,8 +124,8 @@ class FSDPBackend(TrainBackend):
                                                  else self.device.type == "cuda")
         head = packed_logprobs if self.packed else response_logprobs
         head = functools.partial(head, invariant=True) if batch_invariant else head
-        self._kernels = invariant.engine_kernels if batch_invariant else nullcontext
-        """What a forward runs in: under algo.true_on_policy the engine's kernels (invariant.engine_kernels)."""
+        if batch_invariant:  # and the engine's kernels under deterministic=true (model/invariant.engine_kernels)
+            self._forward = invariant.engine_kernels()(self._forward)
         self._head = torch.compile(head) if self.compiled else head
         if self.compiled:  # the forward only: FSDP's hooks (dynamo-disabled) run eagerly around it
             allow_recompiles(16)
@@ -170,10 +170,6 @@ class FSDPBackend(TrainBackend):
 
         ``host``: the micro-batch on the host, ``mb`` the same on the device; layouts come from the host copy (no
         device sync)."""
-        with self._kernels():
-            return self._forward_with(host, mb, temperature, with_entropy)
-
-    def _forward_with(self, host: TrainBatch, mb: TrainBatch, temperature: float, with_entropy: bool):
         if self.packed:
             packed = pack(host, bucketed=self.train_cfg.cuda_graphs)
             return self._forward_packed(packed.to(self.device), temperature, with_entropy)
