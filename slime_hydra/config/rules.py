@@ -303,8 +303,8 @@ def check_true_on_policy(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
 def check_deterministic(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     """deterministic=true: nothing that timing decides. Batch-invariant engines (what shares a batch changes no
     token), sync mode (a sync landing mid-rollout changes the weights of the requests after it), every prompt sent
-    trained (over-sampling aborts the slowest groups), and on GPUs a train backend whose ranks repeat a step with
-    torch's deterministic algorithms (its record's ``deterministic_on_gpu``) running the batch-invariant forward."""
+    trained (over-sampling aborts the slowest groups), and on GPUs the batch-invariant trainer forward (both backends
+    repeat their steps there under torch's deterministic algorithms: tests/loop/test_deterministic_gpu.py)."""
     if not cfg.deterministic:
         return
     off = "or set deterministic=false"
@@ -324,11 +324,6 @@ def check_deterministic(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       "repeat with the batch-invariant trainer only (tests/loop/test_deterministic_gpu.py); the "
                       "default one, compiled, is not yet shown to under torch's deterministic algorithms",
                       f"set algo.true_on_policy=true, {off}")
-    if cfg.cluster.gpus_per_node and not TRAIN_BACKEND_KINDS[cfg.train.backend].deterministic_on_gpu:
-        able = ", ".join(k.name for k in TRAIN_BACKEND_KINDS.values() if k.deterministic_on_gpu)
-        yield Problem(("deterministic", "train.backend", "cluster.gpus_per_node"), f"train={cfg.train.backend} "
-                      "is not made to repeat its steps bit for bit on GPUs", f"use train={able}, run on CPU "
-                      f"(cluster.gpus_per_node=0), {off}")
 
 
 def check_paths(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:

@@ -42,9 +42,6 @@ class TrainBackendKind:
     """It trains mixture-of-experts families (a family record's ``moe``)."""
     batch_invariant: bool = False
     """Its forward can be the batch-invariant one of algo.true_on_policy (model/invariant.py)."""
-    deterministic_on_gpu: bool = False
-    """With torch's deterministic algorithms on (deterministic=true: ``TrainRank.setup``), its ranks repeat a step
-    bit for bit on a GPU (tests/loop/test_deterministic_gpu.py)."""
     options_key: Optional[str] = None
     """The config key of its passthrough options (train.megatron), refused for any other backend."""
     rules: Optional[str] = None
@@ -66,8 +63,7 @@ def register(kind: TrainBackendKind) -> TrainBackendKind:
 
 
 register(TrainBackendKind("fsdp", "slime_hydra.train.fsdp.FSDPBackend", parallelism=(), sharding="fully_sharded",
-                          checkpoint_slots="any", packing=True, lora=True, moe=True, batch_invariant=True,
-                          deterministic_on_gpu=True))
+                          checkpoint_slots="any", packing=True, lora=True, moe=True, batch_invariant=True))
 register(TrainBackendKind("megatron", "slime_hydra.train.megatron.backend.MegatronBackend", parallelism=PARALLEL_DIMS,
                           sharding="model_parallel", checkpoint_slots="per_slot", packing=True, lora=True, moe=True,
                           batch_invariant=True, options_key="train.megatron",

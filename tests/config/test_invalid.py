@@ -56,7 +56,6 @@ INVALID = [
     (("deterministic=true", "rollout.over_sampling_batch_prompts=64"), "rollout.over_sampling_batch_prompts",
      "aborts the groups that finish last"),
     ((*BIG, *GPU8, "rollout=sglang", "deterministic=true"), "rollout.backend", "use rollout=embedded"),
-    ((*BIG, *GPU8, "train=megatron", "deterministic=true"), "train.backend", "use train=fsdp"),
     ((*BIG, *GPU8, "deterministic=true"), "algo.true_on_policy", "set algo.true_on_policy=true"),
     # the grouped router (glm4_moe, deepseek_v3) and its megatron mapping
     ((*AIR, "model.moe_groups=3"), "model.moe_groups", "does not split num_experts=128"),

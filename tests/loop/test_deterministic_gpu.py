@@ -16,16 +16,18 @@ ON_ONE_GPU = ("cluster.gpus_per_node=1", "train.num_gpus=1", "cluster.colocate=t
               "train.dtype=bf16", "train.lr=1e-3")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, shared_ray_node, model_cache) -> list[list[dict]]:
-    """The metrics rows of two runs of one command, without times, speeds and memory peaks."""
+@pytest.fixture(scope="module", params=["fsdp", "megatron"])
+def runs(request, tmp_path_factory, shared_ray_node, model_cache) -> list[list[dict]]:
+    """The metrics rows of two runs of one command (train=fsdp, or train=megatron at TP1), without times, speeds and
+    memory peaks."""
     out_dir, rows = tmp_path_factory.mktemp("twice"), []
     with pytest.MonkeyPatch.context() as patch:  # the loop tests' environment (tests/loop/conftest.py), for a module
         patch.setenv("SLIME_HYDRA_CACHE", model_cache)
         patch.setenv("RAY_ADDRESS", shared_ray_node.address)
         for name in ("first", "second"):
             out = launch(f"output_dir={out_dir}", f"run_name={name}", "num_steps=3", "rollout.eval_every_steps=2",
-                         "deterministic=true", "algo.true_on_policy=true", *ON_ONE_GPU, *SHAPE, timeout=600)
+                         "deterministic=true", "algo.true_on_policy=true", f"train={request.param}", *ON_ONE_GPU,
+                         *SHAPE, timeout=600)
             assert out.returncode == 0, out.stderr[-4000:]
             rows.append([_repeatable(row) for row in metrics(out_dir / name)])
     return rows
