@@ -10,6 +10,7 @@ import asyncio
 import pytest
 import torch
 
+from slime_hydra.model.families import FAMILIES
 from slime_hydra.rollout.engines.embedded.scheduler import Engine
 from slime_hydra.train.batch import collate
 from slime_hydra.train.config import TrainConfig
@@ -17,6 +18,8 @@ from slime_hydra.train.fsdp import FSDPBackend
 from slime_hydra.train.megatron.backend import MegatronBackend
 from tests.train.harness import pg_loss, run_ranks, tiny_checkpoint, toy_batch
 
+DENSE = [f.name for f in FAMILIES.values() if not f.moe and not f.latent_attention and "embedded" in f.engines]
+"""The families algo.true_on_policy covers: every dense one the embedded engine serves."""
 TEMPERATURE = 0.8
 CASES = [(3, 40), (17, 6), (100, 20), (5, 25), (40, 3), (9, 30), (64, 9), (4, 1), (30, 16)]
 """(prompt tokens, max_new_tokens): nine requests through four slots."""
@@ -77,6 +80,16 @@ def test_trainer_logprobs_equal_the_engines_bit_for_bit(model_dir, kind, world, 
     assert sum(len(r) for _, r, _ in samples) == sum(m for _, m in CASES)
     logp = run_ranks(world, _trainer_logprobs, model_dir, samples, True, packed, "cpu", kind)[0]
     assert max(differences(samples, logp)) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "megatron"])
+@pytest.mark.parametrize("family", [f for f in DENSE if f != "qwen2"])  # qwen2 (the tiny model's): above
+def test_every_dense_family_is_exact(family, kind):
+    """Each family's own ops in both forwards: Qwen3's q/k norms, Llama's unbiased projections, GLM-4's sandwich
+    norms, fused gate/up and interleaved partial RoPE."""
+    path = tiny_checkpoint(family)
+    samples = generate(path, batch_invariant=True)
+    assert max(differences(samples, run_ranks(1, _trainer_logprobs, path, samples, True, True, "cpu", kind)[0])) == 0.0
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "megatron"])

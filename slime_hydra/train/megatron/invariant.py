@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from slime_hydra.model.invariant import DecodeFormAttention, rms_norm, tiled_linear
 from slime_hydra.train.kinds import PARALLEL_DIMS
-from slime_hydra.train.megatron.spec import GatedMLP, SelfAttention, rope_table, rotate
+from slime_hydra.train.megatron.spec import GatedMLP, PostNormBiasDropoutAdd, SelfAttention, rope_table, rotate
 from slime_hydra.train.packing import sequence_positions
 
 
@@ -110,6 +110,8 @@ def make_invariant(model: torch.nn.Module, fused_gate_up: bool) -> int:
             module.forward = types.MethodType(_mlp, module)
         elif name == "output_layer":
             module.forward = types.MethodType(_output, module)
+        elif isinstance(module, PostNormBiasDropoutAdd):
+            continue  # GLM-4's sandwich norm: its RMSNorm is a child (above), the residual add elementwise
         elif "Norm" in type(module).__name__ or "MoE" in type(module).__name__ or "Latent" in type(module).__name__:
             raise ValueError(f"algo.true_on_policy: {name} ({type(module).__name__}) has no batch-invariant form here")
         else:
