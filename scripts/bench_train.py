@@ -268,7 +268,9 @@ def main() -> None:
                              "batches do; tokens/s is then the mean step's tokens over the mean step time")
     parser.add_argument("--max-tokens", type=int, default=None, help="train.max_tokens_per_gpu (token budget)")
     parser.add_argument("--micro-batch", type=int, default=None, help="samples per forward (default: all of a rank's)")
-    parser.add_argument("--tp", type=int, default=None, help="megatron tensor-parallel size (default: world size)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="megatron tensor-parallel size (default: world size / --ep)")
+    parser.add_argument("--ep", type=int, default=1, help="megatron expert-parallel size (MoE models)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="train.compile, both backends (auto: on with CUDA); the warmup steps pay the compile")
@@ -315,9 +317,9 @@ def main() -> None:
     backends, shares, layouts = {}, {}, {}
     for name in names:
         megatron = name.startswith("megatron")
-        tp = (args.tp or world) if megatron else 1
+        tp, ep = ((args.tp or world // args.ep), args.ep) if megatron else (1, 1)
         dp = world // tp
-        train = TrainConfig(backend="megatron" if megatron else "fsdp", num_gpus=world, tp=tp,
+        train = TrainConfig(backend="megatron" if megatron else "fsdp", num_gpus=world, tp=tp, ep=ep,
                             micro_batch_samples=args.micro_batch or args.samples // dp, lr=1e-6,
                             max_tokens_per_gpu=args.max_tokens, pack_sequences=name.endswith("-packed"),
                             dtype="bf16" if cuda else "fp32", gradient_checkpointing=args.gradient_checkpointing,
@@ -326,11 +328,11 @@ def main() -> None:
         backends[name] = build(name, path, train, total)
         dp_rank = getattr(backends[name], "dp_rank", rank)
         shares[name] = [b.select(dp_shares(b, dp)[dp_rank]) for b in batches]  # token-balanced, as the loop deals
-        layouts[name] = (f"world={world} tp={tp} dp={dp} micro_batch={train.micro_batch_samples} "
+        layouts[name] = (f"world={world} tp={tp} ep={ep} dp={dp} micro_batch={train.micro_batch_samples} "
                          f"compile={getattr(backends[name], 'compiled', False)} cuda_graphs={args.cuda_graphs}")
 
     times: dict[str, list[float]] = {name: [] for name in names}
-    metrics: dict[str, dict] = {}
+    metrics: dict[str, list[dict]] = {name: [] for name in names}
     for step in range(total):
         turn = step % len(names)
         for name in names[turn:] + names[:turn]:  # the order rotates: no backend always follows the same one
@@ -339,7 +341,7 @@ def main() -> None:
                 if step == args.warmup:
                     torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            metrics[name] = backends[name].train_step(shares[name][step], pg_loss)
+            metrics[name].append(backends[name].train_step(shares[name][step], pg_loss))
             if cuda:
                 torch.cuda.synchronize()
             if step >= args.warmup:
@@ -374,8 +376,11 @@ def main() -> None:
             print(f"  step {step_s * 1000:.1f} ms (median {statistics.median(t) * 1000:.1f}, min {min(t) * 1000:.1f}) "
                   f"| {step_tokens / step_s:,.0f} tokens/s ({step_tokens / step_s / world:,.0f} per GPU, "
                   f"MFU {mfu:.1%} on the mean) "
-                  f"| last pg_loss {float(metrics[name]['pg_loss']):.4f} grad_norm {metrics[name]['grad_norm']:.3f}")
+                  f"| last pg_loss {float(metrics[name][-1]['pg_loss']):.4f} "
+                  f"grad_norm {metrics[name][-1]['grad_norm']:.3f}")
             print("  steps (ms):", " ".join(f"{x * 1000:.1f}" for x in t))
+            for key in ("pg_loss", "grad_norm"):  # every step's, warm-up included: layouts compare step by step
+                print(f"  {key} by step:", " ".join(f"{float(m[key]):.6f}" for m in metrics[name]))
         if len(names) == 1:
             print(f"peak memory {peak.item():.2f} GiB")
         else:

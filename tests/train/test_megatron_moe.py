@@ -457,3 +457,27 @@ def test_unsupported_moe_settings_are_refused_with_the_fix(one_rank):
     ep, lora = out["refused"]
     assert "train.ep=2 must divide" in ep and "data-parallel size (1" in ep
     assert "train.lora.target_modules=" in lora and "routed experts" in lora and "[q_proj,k_proj,v_proj,o_proj]" in lora
+
+
+def _ep2_layer_compiled_and_eager(rank, world, path):
+    """One MoE layer's output at EP2, eager and with its token dispatch compiled (train.compile compiles whole
+    layers: torch.compile returned the gathered bool routing map as int64, and megatron's permutation refused it)."""
+    from slime_hydra.train.megatron.model import build_model, init_parallel, transformer_config
+    from slime_hydra.train.megatron.convert import load_hf_weights
+
+    init_parallel(1, ep=2)
+    arch = Arch.from_hf(AutoConfig.from_pretrained(path))
+    model = build_model(arch, transformer_config(arch, tp=1, ep=2))
+    load_hf_weights(model, path, arch)
+    layer = model.decoder.layers[arch.moe_layers[0]].mlp
+    hidden = torch.randn(5 + rank, 1, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        eager = layer(hidden)[0]
+        layer.dispatch = torch.compile(layer.dispatch)
+        compiled = layer(hidden)[0]
+    return eager, compiled
+
+
+def test_a_compiled_ep2_dispatch_keeps_the_routing_map_boolean(checkpoints):
+    for eager, compiled in run_ranks(2, _ep2_layer_compiled_and_eager, checkpoints[TRAIN]):
+        assert torch.equal(eager, compiled)

@@ -136,8 +136,9 @@ class TokenGather(MoEAllGatherTokenDispatcher):
             hidden_states = _IntoTP.apply(hidden_states, self.tp_group)
             probs = _IntoTP.apply(probs, self.tp_group)
         if self.ep_size > 1:
-            with torch.no_grad():
-                self.routing_map = _GatherTokens.apply(self.routing_map, self.ep_group)
+            with torch.no_grad():  # as bytes: compiled (train.compile), a gathered bool tensor came back as bytes,
+                # which megatron's permutation (masked_select) refuses
+                self.routing_map = _GatherTokens.apply(self.routing_map.to(torch.uint8), self.ep_group).bool()
             probs = _GatherTokens.apply(probs, self.ep_group)
             hidden_states = _GatherTokens.apply(hidden_states, self.ep_group)
         return hidden_states, probs
