@@ -42,6 +42,10 @@ EMBEDDED_START_TIMEOUT_S = 300.0
 """Seconds an embedded engine may take to load and answer /health_generate."""
 SGLANG_START_TIMEOUT_S = 1200.0
 """Seconds an SGLang server may take (weights from shared storage, CUDA-graph capture, warm-up)."""
+PORT_ATTEMPTS = 3
+"""Ports a first start tries: another process may bind the one ``net.free_port`` picked before the server does
+(seen in CI: a test worker's engine lost its port to a process of the other worker). A restart keeps its port: the
+router knows the engine by its address."""
 
 
 class EngineActor:
@@ -106,8 +110,21 @@ class EngineActor:
 
     def start(self, api_key: Optional[str] = None, timeout_s: Optional[float] = None) -> str:
         """Start the server and return its URL once /health_generate answers 200. api_key: the run's key the server
-        will require (None: none); timeout_s: default EMBEDDED_START_TIMEOUT_S or SGLANG_START_TIMEOUT_S."""
+        will require (None: none); timeout_s: default EMBEDDED_START_TIMEOUT_S or SGLANG_START_TIMEOUT_S. A server
+        that exits because its port was taken meanwhile starts again on another (PORT_ATTEMPTS in all)."""
         self.api_key = api_key
+        for _ in range(PORT_ATTEMPTS - 1):
+            try:
+                return self._start(timeout_s)
+            except RuntimeError as error:
+                if "address already in use" not in str(error).lower():
+                    raise
+                print(f"engine {self.index}: port {self.port} was taken before the server bound it; trying another",
+                      flush=True)
+                self.port = self.nccl_port = None
+        return self._start(timeout_s)
+
+    def _start(self, timeout_s: Optional[float]) -> str:
         gpu_ids = self.gpu_ids if self.gpu_ids is not None else _gpu_ids()
         host = ray.util.get_node_ip_address() if ray.is_initialized() and not _local_only() else "127.0.0.1"
         argv = self.command(host, gpu_ids)
@@ -125,7 +142,7 @@ class EngineActor:
     def restart(self, timeout_s: Optional[float] = None) -> str:
         """Stop whatever is left of the server and start a fresh one on the same port and key (initial weights)."""
         self.stop()
-        return self.start(self.api_key, timeout_s)
+        return self._start(timeout_s)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.alive
