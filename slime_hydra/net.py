@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
 
+PORT_ATTEMPTS = 3
+"""Starts of a server (the router, an engine) on ports ``free_port`` picked: a port free when picked can be taken (by
+another process's outgoing connection, say) before the server binds it, and the server then exits with "address
+already in use"; it starts again on a new pick, this many times in all."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -31,16 +31,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from slime_hydra.net import free_port
+from slime_hydra.net import PORT_ATTEMPTS, free_port
 from slime_hydra.rollout.auth import API_KEY_ENV, bearer
 from slime_hydra.rollout.config import ROUTER_POLICIES
 from slime_hydra.rollout.engines.process import ManagedProcess, http_status
-
-
-
-PORT_ATTEMPTS = 3
-"""Starts of a router on ports picked here: a port free when picked can be taken (by another process's outgoing
-connection, say) before the router binds it, and the router then exits with "Address already in use"."""
 
 
 class RouterError(RuntimeError):

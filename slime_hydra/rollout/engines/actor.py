@@ -33,7 +33,7 @@ from typing import Optional
 
 import ray
 
-from slime_hydra.net import free_port
+from slime_hydra.net import PORT_ATTEMPTS, free_port
 from slime_hydra.rollout.auth import API_KEY_ENV, write_private
 from slime_hydra.rollout.engines.process import ServerProcess, embedded_command
 from slime_hydra.rollout.engines.sglang import SGLangLaunch, api_key_config
@@ -42,10 +42,6 @@ EMBEDDED_START_TIMEOUT_S = 300.0
 """Seconds an embedded engine may take to load and answer /health_generate."""
 SGLANG_START_TIMEOUT_S = 1200.0
 """Seconds an SGLang server may take (weights from shared storage, CUDA-graph capture, warm-up)."""
-PORT_ATTEMPTS = 3
-"""Ports a first start tries: another process may bind the one ``net.free_port`` picked before the server does
-(seen in CI: a test worker's engine lost its port to a process of the other worker). A restart keeps its port: the
-router knows the engine by its address."""
 
 
 class EngineActor:
@@ -111,7 +107,8 @@ class EngineActor:
     def start(self, api_key: Optional[str] = None, timeout_s: Optional[float] = None) -> str:
         """Start the server and return its URL once /health_generate answers 200. api_key: the run's key the server
         will require (None: none); timeout_s: default EMBEDDED_START_TIMEOUT_S or SGLANG_START_TIMEOUT_S. A server
-        that exits because its port was taken meanwhile starts again on another (PORT_ATTEMPTS in all)."""
+        that exits because its port was taken meanwhile starts again on another (net.PORT_ATTEMPTS in all; a restart
+        keeps its port: the router knows the engine by its address)."""
         self.api_key = api_key
         for _ in range(PORT_ATTEMPTS - 1):
             try:
