@@ -1,4 +1,5 @@
-"""The RL loop: generate -> score -> filter -> train -> sync -> track -> checkpoint -> eval, every rollout step.
+"""The RL loop: generate -> score -> filter -> train -> sync -> track -> checkpoint -> eval, every rollout step
+(algo=sft: the data's responses in place of generate -> score -> filter, their NLL the loss; docs/loop.md).
 
     run(cfg, run_dir)          what ``python launch.py`` does after validation (and a SLURM job on its rank 0)
 
@@ -29,15 +30,14 @@ step_k; row 0 is the eval before training. Every phase runs inside ``timer.phase
 ``perf/<name>_time`` in s, ``perf/step_time``, ``perf/overhead_time``, ``perf/step_tokens_per_s``).
 
 Checkpoints (checkpoint.py): every ``save_every_steps`` steps or ``save_every_minutes``, at the end, and on SIGTERM,
-SIGUSR1 or SIGUSR2 (preempt.py; the step in progress finishes and is saved, ``run`` returns ``"preempted"``, a SLURM
-job requeues itself). The trainer ranks write theirs in the background (``checkpoint_in_background``); ``latest``
-moves at a later step boundary, once every file is on disk and in the manifest. ``resume=auto`` continues from the
-newest intact one: trainer state, prompt cursor, buffer, tracking step and (async mode) the rollouts started ahead.
+SIGUSR1 or SIGUSR2 (preempt.py: the step in progress finishes and is saved, ``run`` returns ``"preempted"``). The
+trainer ranks write theirs in the background; ``latest`` moves at a later step boundary, once every file is on disk.
+``resume=auto`` continues from the newest intact one: trainer state, prompt cursor, buffer, tracking step and
+(async mode) the rollouts started ahead.
 
-Between steps the driver answers requests to add, remove or list engines (``python -m slime_hydra.engines``,
-rollout/engine_requests.py). Debug modes: ``debug.mode=rollout_only`` generates and scores (saving every batch
-with ``debug.save_rollouts``) and never trains; ``train_only`` trains from the batches an earlier run saved
-(``debug.rollout_path``) and starts no engine.
+Between steps the driver answers requests to add, remove or list engines (``python -m slime_hydra.engines``).
+Debug modes (``debug.mode``): ``rollout_only`` generates and scores and never trains; ``train_only`` trains from the
+batches an earlier run saved (``debug.save_rollouts``, ``debug.rollout_path``) and starts no engine.
 """
 
 import json
@@ -69,27 +69,16 @@ from slime_hydra.rollout import engine_requests
 from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
 from slime_hydra.model.warm_start import resolve_model_path
 from slime_hydra.stall import PROBE_TIMEOUT_S, StallDoctor, StallError
-from slime_hydra.tracking.phases import StepTimer
+from slime_hydra.tracking.phases import WAITS_ON, StepTimer
 from slime_hydra.tracking.progress import ProgressView
 from slime_hydra.tracking.tracker import Tracker
-from slime_hydra.train.objectives import ActorLoss, CriticLoss
-from slime_hydra.train.prepare import add_advantages, needs_old_logprobs, to_train_batch
+from slime_hydra.train.objectives import CriticLoss, actor_loss
+from slime_hydra.train.prepare import add_advantages, held_out_losses, needs_old_logprobs, to_train_batch
 from slime_hydra.turns import GpuTurns
 
 if TYPE_CHECKING:
     from slime_hydra.train.group import TrainGroup  # imported where the trainer starts: the driver may run none
 
-PHASE_WAITS_ON = {
-    "rollout": "the rollout manager (RolloutManager.generate_batch)",
-    "offload": "the trainer ranks and the engines to move GPU memory (offload / onload, release / resume)",
-    "logprobs": "the trainer ranks (TrainRank.logprobs)",
-    "train": "the trainer ranks (TrainRank.train_step)",
-    "weight_sync": "the trainer ranks and the engines (the weight sync)",
-    "eval": "the rollout manager (RolloutManager.evaluate)",
-    "checkpoint": "the trainer ranks (saving, a background write), the rollout manager, the driver's checksums",
-    None: "nobody: the driver itself works between phases",
-}
-"""Whom the driver waits on in each phase of tracking/phases.py, for the stall doctor's report."""
 WEIGHTS_POLL_S = 0.5
 """While the loop waits for a rollout: how often it asks whether the engines need the weights sent again."""
 
@@ -275,7 +264,7 @@ class Session:
     def waits_on(self) -> str:
         """The driver's step, phase and whom that phase waits on, for the stall doctor."""
         phase = self.timer.current
-        return f"step {self.step + 1}, phase {phase or '-'}: waiting for {PHASE_WAITS_ON.get(phase, 'nobody')}"
+        return f"step {self.step + 1}, phase {phase or '-'}: waiting for {WAITS_ON.get(phase, 'nobody')}"
 
     def _steps(self) -> str:
         cfg = self.cfg
@@ -283,8 +272,7 @@ class Session:
         with progress:
             if self.step == 0 and self._eval_due(0):
                 timer = self.timer = StepTimer()
-                with timer.phase("eval"):
-                    metrics = self.evaluate()
+                metrics = self.evaluate(timer)
                 metrics["perf/eval_time"] = timer.times["eval"]
                 self.tracker.log(0, metrics)                                 # row 0: the eval before training
                 progress.before_training(metrics)
@@ -308,20 +296,21 @@ class Session:
         memory to whoever works next (a no-op otherwise)."""
         cfg, timer = self.cfg, StepTimer()
         self.timer = timer
-        self.turns.hand_to("engines", timer)
+        sft = cfg.algo.objective == "sft"  # its batches are the data's: the engines work for the evals alone
+        self.turns.hand_to("trainer" if sft else "engines", timer)
         samples, metrics = self.rollout_phase(step, timer)                  # rollout -> rewards -> filter
         if self.trainer is not None:
             self.turns.hand_to("trainer", timer)
             metrics.update(self.train_phase(samples, timer))                # logprobs -> advantages -> train
-            if (step + 1) % cfg.sync_every_steps == 0 and self.manager is not None:
+            sync = self._eval_due(step + 1) if sft else (step + 1) % cfg.sync_every_steps == 0
+            if sync and self.manager is not None:
                 self.turns.hand_to("both", timer)
                 with timer.phase("weight_sync"):                            # sync: engines get version step + 1
                     metrics.update(self.trainer.push_weights(step + 1))
         self.step = step + 1
         if self._eval_due(self.step):                                       # eval
             self.turns.hand_to("engines", timer)
-            with timer.phase("eval"):
-                metrics.update(self.evaluate())
+            metrics.update(self.evaluate(timer))
         due = self._save_due() or preempt.requested()
         if due or self.saving is not None:                                  # save (what the step waits for)
             with timer.phase("checkpoint"):
@@ -389,15 +378,15 @@ class Session:
                    if needs_old_logprobs(algo, self.d.optimizer_steps_per_rollout) else None)
             ref = self.trainer.logprobs(batch, "ref", temperature)[0] if algo.needs_reference else None
             values = self.critic.values(batch) if self.critic is not None else None
-            prepared = add_advantages(batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values,
-                                      max_response_tokens=cfg.rollout.max_response_tokens)
+            prepared = {} if algo.objective == "sft" else add_advantages(  # sft: the data's tokens, no advantages
+                batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values, cfg.rollout.max_response_tokens)
         with timer.phase("train"):
-            actor_loss = ActorLoss(algo, cfg.rollout.max_response_tokens)
+            loss = actor_loss(algo, cfg.rollout.max_response_tokens)
             sums: dict[str, float] = {}
             size = self.d.global_batch_samples
             for k in range(self.d.optimizer_steps_per_rollout):
                 mini = batch.select(list(range(k * size, min((k + 1) * size, batch.size))))
-                step_metrics = self.trainer.train_step(mini, actor_loss, temperature, with_entropy=True)
+                step_metrics = self.trainer.train_step(mini, loss, temperature, with_entropy=True)
                 if self.critic is not None:
                     critic_metrics = self.critic.train_step(mini, CriticLoss(algo, cfg.rollout.max_response_tokens))
                     step_metrics.update({f"critic_{k}" if k in ("grad_norm", "lr") else k: v
@@ -407,8 +396,15 @@ class Session:
                                   sums.get(name, 0.0) + float(value) / self.d.optimizer_steps_per_rollout)
         return {**{f"train/{k}": v for k, v in sums.items()}, **prepared}
 
-    def evaluate(self) -> dict:
-        return ray.get(self.manager.evaluate.remote()) if self.manager is not None else {}
+    def evaluate(self, timer: StepTimer) -> dict:
+        """The engines' evals (the manager's); algo=sft adds each eval set's held-out loss, the trainer's."""
+        with timer.phase("eval"):
+            metrics = ray.get(self.manager.evaluate.remote()) if self.manager is not None else {}
+        if self.cfg.algo.objective == "sft" and self.trainer is not None and self.manager is not None:
+            self.turns.hand_to("trainer", timer)
+            with timer.phase("eval"):
+                metrics.update(held_out_losses(self.trainer, ray.get(self.manager.held_out.remote()), self.pad_id))
+        return metrics
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.rollout.eval_every_steps

@@ -12,6 +12,7 @@ The algo options (``conf/algo/``) are named recipes of these fields:
 | reinforce_pp | reinforce_pp | ppo_clip | kl_coef reward shaping, global whitening |
 | reinforce_pp_baseline | reinforce_pp_baseline | ppo_clip | group-mean baseline, whitening |
 | ppo | gae | ppo_clip | critic (value head), gamma / lam |
+| sft | - | - | ``objective: sft``: the data's responses, mean NLL of their tokens (no sampling, no reward) |
 """
 
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import Iterator, Optional
 
 from slime_hydra.options import Problem, choice, non_negative, within
 
+OBJECTIVES = ("policy_gradient", "sft")
+"""algo.objective: what a step trains on and how (loop.Session.train_phase, train/objectives.py)."""
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 """algo.advantage_estimator: names ``algo/advantages.compute_advantages`` accepts."""
 GROUP_ESTIMATORS = ("grpo", "reinforce_pp_baseline")
@@ -35,6 +38,11 @@ LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mea
 class AlgoConfig:
     name: str = "grpo"
     """The conf/algo option this came from (used in run names and logs)."""
+    objective: str = choice("policy_gradient", OBJECTIVES)
+    """policy_gradient: the engines sample, rewards score, the policy loss below trains | sft: supervised
+    fine-tuning on the data's responses (data.response_key, or a built-in task's worked examples), loss = mean NLL
+    of the response tokens with EOS (``loss_agg``); the engines serve the evals only. The RL fields below are
+    refused when set (config/rules.py)."""
     advantage_estimator: str = choice("grpo", ADVANTAGE_ESTIMATORS)
     """grpo | reinforce_pp | reinforce_pp_baseline | gae (PPO with a critic)."""
     policy_loss: str = choice("ppo_clip", POLICY_LOSSES)

@@ -2,7 +2,7 @@
 prompts are too long.
 
 For the training file and every eval file that exists here (``config/files.py`` reports missing ones), the rows
-are read exactly as the run will read them (``data/dataset.scan_prompt_file``). With ``data.on_bad_line=error``
+are read exactly as the run will read them (``data/scan.scan_prompt_file``). With ``data.on_bad_line=error``
 (the default) malformed rows are a Problem listing them as ``path, line k: what is wrong`` (the first 10 and the
 count); with ``skip`` they are a note (the run skips and counts them). Prompts longer than
 ``data.max_prompt_tokens`` are counted with the model's tokenizer (the tiny model's is built offline; a
@@ -50,7 +50,7 @@ def check_datasets(cfg: SlimeConfig, notes: Optional[list[str]] = None,
                    first_rows: Optional[dict[str, tuple]] = None) -> Iterator[Problem]:
     """Problems of the dataset files that exist here; what the run will skip or drop goes to ``notes``, and the
     first well-formed row of each file to ``first_rows`` (key -> (prompt, label, metadata))."""
-    from slime_hydra.data.dataset import scan_prompt_file
+    from slime_hydra.data.scan import scan_prompt_file
 
     present = [file for file in dataset_files(cfg) if Path(file[1]).is_file()]
     if not present:
@@ -58,8 +58,10 @@ def check_datasets(cfg: SlimeConfig, notes: Optional[list[str]] = None,
     tokenizer = _tokenizer(cfg)
     for key, path, row_start, row_end in present:
         try:
+            sft = cfg.algo.objective == "sft"  # every row needs its response (eval rows: the held-out loss)
             report = scan_prompt_file(path, cfg.data, tokenizer, row_start=row_start, row_end=row_end,
-                                      max_rows=MAX_ROWS, max_seconds=MAX_SECONDS)
+                                      max_rows=MAX_ROWS, max_seconds=MAX_SECONDS,
+                                      response_key=cfg.data.response_key if sft else None)
         except (OSError, ValueError) as error:
             yield Problem((key,), f"{path} cannot be read: {type(error).__name__}: {error}",
                           f"point {key} at a readable .jsonl or .parquet file")

@@ -9,7 +9,7 @@ small function yielding ``Problem``s that name the key(s) and the override that 
 
 from typing import Callable, Iterator
 
-from slime_hydra.algo.config import GROUP_ESTIMATORS
+from slime_hydra.algo.config import GROUP_ESTIMATORS, AlgoConfig
 from slime_hydra.data.config import MAX_LEVELS
 from slime_hydra.data.tasks import get_env
 from slime_hydra.reward.config import REWARD_NAMES
@@ -243,7 +243,8 @@ def check_lengths(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
 
 def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     a = cfg.algo
-    group_based = a.advantage_estimator in GROUP_ESTIMATORS or a.dynamic_filter is not None
+    rl = a.objective == "policy_gradient"  # check_objective says what algo.objective=sft refuses
+    group_based = rl and (a.advantage_estimator in GROUP_ESTIMATORS or a.dynamic_filter is not None)
     if group_based and cfg.rollout.n_samples_per_prompt < 2:
         why = f"advantage_estimator={a.advantage_estimator}" if a.advantage_estimator in GROUP_ESTIMATORS else (
             f"dynamic_filter={a.dynamic_filter}")
@@ -265,6 +266,43 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       "/generate bodies it forwards)", f"use rollout="
                       f"{next(k.name for k in ENGINE_KINDS.values() if k.routed_experts)}, or set "
                       "algo.routing_replay=false")
+
+
+POLICY_GRADIENT_ONLY = ("advantage_estimator", "policy_loss", "std_normalization", "normalize_advantages",
+                        "eps_clip", "eps_clip_high", "eps_clip_c", "kl_loss_coef", "kl_loss_type", "kl_coef",
+                        "entropy_coef", "gamma", "lam", "value_clip", "value_loss_coef", "tis_cap", "mis_cap",
+                        "routing_replay", "dynamic_filter", "overlong_buffer_tokens", "overlong_penalty")
+"""The algo fields only the policy-gradient step reads: algo.objective=sft refuses them set."""
+
+
+def check_objective(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
+    """algo.objective=sft trains each data row's one response, in the data's order, one batch a step: what only
+    sampling uses (several samples a prompt, rollouts ahead, over-sampling, adaptive prompts, the debug modes of
+    saved rollouts, a sync schedule: the weights go to the engines before each eval) and the policy-gradient fields
+    would do nothing, so they are refused, by key."""
+    if cfg.algo.objective != "sft":
+        return
+    default, why = AlgoConfig(), "algo.objective=sft trains on the data's responses"
+    for name in POLICY_GRADIENT_ONLY:
+        if getattr(cfg.algo, name) != getattr(default, name):
+            yield Problem((f"algo.{name}", "algo.objective"), f"{why}: algo.{name}, a policy-gradient setting, "
+                          "would do nothing", f"leave algo.{name} at its default ({getattr(default, name)})")
+    r = cfg.rollout
+    for keys, setting, fix in (
+            ("rollout.n_samples_per_prompt", r.n_samples_per_prompt != 1, "set rollout.n_samples_per_prompt=1 (or "
+             "use recipes=tiny_sft_cpu)"),
+            ("mode", cfg.mode != "sync", "set mode=sync"),
+            ("rollout.over_sampling_batch_prompts", r.over_sampling_batch_prompts is not None,
+             "set rollout.over_sampling_batch_prompts=null"),
+            ("data.adaptive.enabled", cfg.data.adaptive.enabled, "set data.adaptive.enabled=false"),
+            ("rollout.temperature", r.temperature != 1.0, "set rollout.temperature=1.0 (the trainer would scale the "
+             "logits by it; the evals have their own)"),
+            ("debug.mode", cfg.debug.mode != "none", "set debug.mode=none"),
+            ("sync_every_steps", cfg.sync_every_steps != 1, "set sync_every_steps=1 (the engines get the weights "
+             "before each eval)")):
+        if setting:
+            yield Problem((keys, "algo.objective"), f"{why}, one response a row, none sampled: {keys} is for "
+                          "sampled rollouts", fix)
 
 
 def check_true_on_policy(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
@@ -428,7 +466,8 @@ def _divisor_near(n: int, target: int) -> int:
 
 RULES: tuple[Callable[[SlimeConfig, Derived], Iterator[Problem]], ...] = (
     check_batch, check_parallelism, check_backend, check_rollout, check_placement, check_lengths, check_algo,
-    check_true_on_policy, check_deterministic, check_tasks, check_lora, check_schedule, check_paths, check_memory,
+    check_objective, check_true_on_policy, check_deterministic, check_tasks, check_lora, check_schedule, check_paths,
+    check_memory,
 )
 
 

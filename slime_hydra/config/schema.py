@@ -68,7 +68,8 @@ class SlimeConfig:
     """async: the rollouts of this many next steps (one at least) are started ahead of the trainer, and a sample is
     at most this many weight versions older than the policy that trains on it."""
     sync_every_steps: int = positive(1)
-    """Push trainer weights to the engines every N rollout steps."""
+    """Push trainer weights to the engines every N rollout steps (algo=sft: before each eval instead, the engines'
+    only work there)."""
     save_every_steps: int = non_negative(0)
     """Checkpoint every N rollout steps; 0: by time only (save_every_minutes). Always at the end and on
     SIGTERM/SIGUSR1/SIGUSR2."""

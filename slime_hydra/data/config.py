@@ -96,6 +96,8 @@ class DataConfig:
     """Row key holding a dict passed to the reward as metadata; null for none."""
     tools_key: Optional[str] = None
     """Row key holding tool specs passed to the chat template; null for none."""
+    response_key: str = "response"
+    """algo=sft: the row key holding the target response (a string; data/dataset.py)."""
     apply_chat_template: bool = True
     """Render prompts through the tokenizer's chat template (with the generation prompt)."""
     max_prompt_tokens: int = positive(1024)

@@ -6,6 +6,9 @@ What a row must hold (keys are configurable, ``DataConfig``):
     label_key     the reference answer (any JSON value, null allowed)
     metadata_key  (optional) a dict, or null for {}
     tools_key     (optional) a list of tool specs given to the chat template, or null for none
+    response_key  (algo=sft only) the target response, a string: trained on as the tokens after the rendered
+                  prompt, with the tokenizer's EOS appended (as an engine's answer ends); a built-in task's rows
+                  get their task's solution
 
 Rows are numbered from 0 in file order (JSONL: row k is line k + 1; blank lines are rows too, so numbers match
 the editor's) and ``row_start``/``row_end`` slice them before anything is parsed: a bad line outside the slice is
@@ -30,18 +33,18 @@ from slime_hydra.data.config import MAX_LEVELS, ON_BAD_LINE, DataConfig, EvalDat
 BAD_REASONS = ("blank_line", "invalid_json", "not_utf8", "too_large", "missing_key", "wrong_type", "template_error")
 """Reasons a row is skipped, the keys of DatasetStats.skipped."""
 _EXAMPLES_KEPT = 5
-_ENCODE_CHUNK = 1024
+ENCODE_CHUNK = 1024
 """Rows tokenized in one call at most ..."""
-_ENCODE_CHARS = 1 << 22
+ENCODE_CHARS = 1 << 22
 """... and characters (4 Mi): a tokenizer call holds ~300 bytes per character at its peak."""
 
 
 def _chunks(texts: list[str]) -> Iterator[tuple[int, int]]:
-    """[start, stop) ranges of ``texts`` to tokenize at once: at most _ENCODE_CHUNK rows and, but for a single
-    longer text, _ENCODE_CHARS characters."""
+    """[start, stop) ranges of ``texts`` to tokenize at once: at most ENCODE_CHUNK rows and, but for a single
+    longer text, ENCODE_CHARS characters."""
     start, chars = 0, 0
     for i, text in enumerate(texts):
-        if i > start and (i - start >= _ENCODE_CHUNK or chars + len(text) > _ENCODE_CHARS):
+        if i > start and (i - start >= ENCODE_CHUNK or chars + len(text) > ENCODE_CHARS):
             yield start, i
             start, chars = i, 0
         chars += len(text)
@@ -77,6 +80,8 @@ class PromptRecord:
     """Extras for the reward (empty unless data.metadata_key is set)."""
     tools: Optional[list] = None
     """Tool specs given to the chat template (None unless data.tools_key is set)."""
+    response_ids: Optional[list[int]] = None
+    """algo=sft: the target response's token ids, EOS last (None for a prompt to sample from)."""
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +91,8 @@ class PromptRecord:
 
 @dataclass
 class DatasetStats:
-    """What happened to every row of the selected slice: kept + too_long + sum(skipped) == rows."""
+    """What happened to every row of the selected slice: kept + too_long + response_too_long + sum(skipped) ==
+    rows."""
 
     source: str
     """File path, or task:<name>/<split> for a built-in task."""
@@ -96,6 +102,8 @@ class DatasetStats:
     """Rows that became PromptRecords."""
     too_long: int = 0
     """Rows dropped because the prompt had more than max_prompt_tokens tokens."""
+    response_too_long: int = 0
+    """algo=sft: rows dropped because the response (with EOS) had more than rollout.max_response_tokens tokens."""
     skipped: dict[str, int] = field(default_factory=dict)
     """Malformed rows skipped (on_bad_line=skip), by reason (BAD_REASONS)."""
     skipped_examples: list[str] = field(default_factory=list)
@@ -116,6 +124,8 @@ class DatasetStats:
         if self.too_long:
             parts.append(f"{self.too_long} longer than {self.max_prompt_tokens} tokens "
                          f"(longest {self.longest_prompt_tokens})")
+        if self.response_too_long:
+            parts.append(f"{self.response_too_long} with a response longer than rollout.max_response_tokens")
         for reason, n in sorted(self.skipped.items()):
             parts.append(f"{n} skipped ({reason})")
         return ", ".join(parts)
@@ -139,31 +149,41 @@ class _Row:
     label: Any
     metadata: dict
     tools: Optional[list]
+    response: Optional[str] = None
 
 
-def load_prompts(cfg: DataConfig, tokenizer) -> PromptDataset:
-    """The training prompts of ``cfg``: its file (``cfg.path``), or the built-in task's train split."""
+def load_prompts(cfg: DataConfig, tokenizer, max_response_tokens: Optional[int] = None) -> PromptDataset:
+    """The training prompts of ``cfg``: its file (``cfg.path``), or the built-in task's train split. With
+    ``max_response_tokens`` (algo=sft) every record has its response too: the file's ``cfg.response_key``, or the
+    task's solution of each row (``task.solution``)."""
     if cfg.path is not None:
         return load_prompt_file(
             cfg.path, tokenizer, prompt_key=cfg.prompt_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
             tools_key=cfg.tools_key, apply_chat_template=cfg.apply_chat_template,
             max_prompt_tokens=cfg.max_prompt_tokens, row_start=cfg.row_start, row_end=cfg.row_end,
-            on_bad_line=cfg.on_bad_line, max_row_bytes=cfg.max_row_bytes)
-    return _load_task(cfg, tokenizer, "train", cfg.row_start, cfg.row_end)
+            on_bad_line=cfg.on_bad_line, max_row_bytes=cfg.max_row_bytes,
+            response_key=None if max_response_tokens is None else cfg.response_key,
+            max_response_tokens=max_response_tokens)
+    return _load_task(cfg, tokenizer, "train", cfg.row_start, cfg.row_end, max_response_tokens)
 
 
-def load_eval_prompts(eval_cfg: EvalDataConfig, cfg: DataConfig, tokenizer) -> PromptDataset:
-    """One eval dataset: its own file with the training keys, or the task's held-out split; first max_prompts rows."""
+def load_eval_prompts(eval_cfg: EvalDataConfig, cfg: DataConfig, tokenizer,
+                      max_response_tokens: Optional[int] = None) -> PromptDataset:
+    """One eval dataset: its own file with the training keys, or the task's held-out split; first max_prompts rows.
+    ``max_response_tokens`` (algo=sft's held-out loss): with their responses, as ``load_prompts``."""
     if eval_cfg.path is not None:
         return load_prompt_file(
             eval_cfg.path, tokenizer, prompt_key=cfg.prompt_key, label_key=cfg.label_key,
             metadata_key=cfg.metadata_key, tools_key=cfg.tools_key, apply_chat_template=cfg.apply_chat_template,
             max_prompt_tokens=cfg.max_prompt_tokens, row_start=0, row_end=eval_cfg.max_prompts,
-            on_bad_line=cfg.on_bad_line, max_row_bytes=cfg.max_row_bytes)
-    return _load_task(cfg, tokenizer, "eval", 0, eval_cfg.max_prompts)
+            on_bad_line=cfg.on_bad_line, max_row_bytes=cfg.max_row_bytes,
+            response_key=None if max_response_tokens is None else cfg.response_key,
+            max_response_tokens=max_response_tokens)
+    return _load_task(cfg, tokenizer, "eval", 0, eval_cfg.max_prompts, max_response_tokens)
 
 
-def _load_task(cfg: DataConfig, tokenizer, split: str, row_start: int, row_end: Optional[int]) -> PromptDataset:
+def _load_task(cfg: DataConfig, tokenizer, split: str, row_start: int, row_end: Optional[int],
+               max_response_tokens: Optional[int] = None) -> PromptDataset:
     from slime_hydra.data.tasks import Environment, get_task
 
     if cfg.task is None:
@@ -173,10 +193,14 @@ def _load_task(cfg: DataConfig, tokenizer, split: str, row_start: int, row_end: 
         rows = task.rows(split, seed=cfg.seed, levels=task_levels(cfg, split))
     else:
         rows = task.rows(split, seed=cfg.seed)
+    sft = max_response_tokens is not None
+    if sft:  # each problem with its worked solution (what the task's own SFT rows hold)
+        rows = [{**row, "response": task.solution(row["label"], row["metadata"])} for row in rows]
     return load_prompt_rows(
         rows, tokenizer, source=f"task:{cfg.task}/{split}", metadata_key="metadata",
         apply_chat_template=cfg.apply_chat_template, max_prompt_tokens=cfg.max_prompt_tokens,
-        row_start=row_start, row_end=row_end, on_bad_line="error")
+        row_start=row_start, row_end=row_end, on_bad_line="error", response_key="response" if sft else None,
+        max_response_tokens=max_response_tokens)
 
 
 def task_levels(cfg: DataConfig, split: str) -> list[int]:
@@ -205,7 +229,8 @@ def load_prompt_file(path: str, tokenizer, *, prompt_key: str = "prompt", label_
                      metadata_key: Optional[str] = None, tools_key: Optional[str] = None,
                      apply_chat_template: bool = True, max_prompt_tokens: Optional[int] = None, row_start: int = 0,
                      row_end: Optional[int] = None, on_bad_line: str = "error",
-                     max_row_bytes: int = 1 << 20) -> PromptDataset:
+                     max_row_bytes: int = 1 << 20, response_key: Optional[str] = None,
+                     max_response_tokens: Optional[int] = None) -> PromptDataset:
     """Load a .jsonl or .parquet prompt file (see the module docstring for row rules and counting).
 
     max_prompt_tokens: prompts with more tokens than this are dropped and counted; None keeps all.
@@ -214,24 +239,25 @@ def load_prompt_file(path: str, tokenizer, *, prompt_key: str = "prompt", label_
     """
     suffix = Path(path).suffix.lower()
     if suffix == ".jsonl":
-        raw, unit = _jsonl_rows(path, row_start, row_end, max_row_bytes), "line"
+        raw, unit = jsonl_rows(path, row_start, row_end, max_row_bytes), "line"
     elif suffix == ".parquet":
-        raw, unit = _parquet_rows(path, row_start, row_end, max_row_bytes), "row"
+        raw, unit = parquet_rows(path, row_start, row_end, max_row_bytes), "row"
     else:
         raise ValueError(f"{path}: unsupported prompt file type {suffix!r}; use .jsonl or .parquet")
     return _build(raw, tokenizer, str(path), unit, prompt_key, label_key, metadata_key, tools_key,
-                  apply_chat_template, max_prompt_tokens, on_bad_line)
+                  apply_chat_template, max_prompt_tokens, on_bad_line, response_key, max_response_tokens)
 
 
 def load_prompt_rows(rows: list[dict], tokenizer, *, source: str = "rows", prompt_key: str = "prompt",
                      label_key: str = "label", metadata_key: Optional[str] = None, tools_key: Optional[str] = None,
                      apply_chat_template: bool = True, max_prompt_tokens: Optional[int] = None, row_start: int = 0,
-                     row_end: Optional[int] = None, on_bad_line: str = "error") -> PromptDataset:
+                     row_end: Optional[int] = None, on_bad_line: str = "error", response_key: Optional[str] = None,
+                     max_response_tokens: Optional[int] = None) -> PromptDataset:
     """Same as ``load_prompt_file`` for rows already in memory (built-in tasks); errors name ``source`` and row + 1."""
     _check_slice(row_start, row_end)
     raw = ((i, row, None) for i, row in enumerate(rows[row_start:row_end], start=row_start))
     return _build(raw, tokenizer, source, "row", prompt_key, label_key, metadata_key, tools_key,
-                  apply_chat_template, max_prompt_tokens, on_bad_line)
+                  apply_chat_template, max_prompt_tokens, on_bad_line, response_key, max_response_tokens)
 
 
 def _check_slice(row_start: int, row_end: Optional[int]) -> None:
@@ -254,7 +280,7 @@ def _lines(f, max_bytes: int) -> Iterator[Optional[bytes]]:
         yield None
 
 
-def _jsonl_rows(path: str, row_start: int, row_end: Optional[int],
+def jsonl_rows(path: str, row_start: int, row_end: Optional[int],
                 max_row_bytes: int = 1 << 20) -> Iterator[tuple[int, Any, Optional[tuple]]]:
     """(row, parsed value or None, (reason, detail) or None) for each line in the slice; lines are read at most
     ``max_row_bytes`` at a time (data.max_row_bytes)."""
@@ -284,9 +310,9 @@ def _jsonl_rows(path: str, row_start: int, row_end: Optional[int],
                 yield i, None, ("invalid_json", f"invalid JSON ({what})")
 
 
-def _parquet_rows(path: str, row_start: int, row_end: Optional[int],
+def parquet_rows(path: str, row_start: int, row_end: Optional[int],
                   max_row_bytes: int = 1 << 20) -> Iterator[tuple[int, Any, Optional[tuple]]]:
-    """Like ``_jsonl_rows`` for a Parquet file, read in batches of 1,024 rows (never the whole table: memory holds
+    """Like ``jsonl_rows`` for a Parquet file, read in batches of 1,024 rows (never the whole table: memory holds
     one batch); a row longer than ``max_row_bytes`` as JSON is a too_large row, as it would be in a JSONL file."""
     import pyarrow.parquet as pq
 
@@ -309,53 +335,67 @@ def _parquet_rows(path: str, row_start: int, row_end: Optional[int],
             row += 1
 
 
-class _Bad(Exception):
+class RowProblem(Exception):
+    """What is wrong with one row: a reason of BAD_REASONS and the detail (the caller adds where)."""
+
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
         self.reason, self.detail = reason, detail
 
 
-def _parse(value: Any, prompt_key: str, label_key: str, metadata_key: Optional[str],
+def parse_row(value: Any, prompt_key: str, label_key: str, metadata_key: Optional[str],
            tools_key: Optional[str], apply_chat_template: bool) -> tuple[Any, Any, dict, Optional[list]]:
-    """(prompt, label, metadata, tools) of one row; raises _Bad(reason, detail)."""
+    """(prompt, label, metadata, tools) of one row; raises RowProblem(reason, detail)."""
     if not isinstance(value, dict):
-        raise _Bad("wrong_type", f"row is a JSON {type(value).__name__}, expected an object")
+        raise RowProblem("wrong_type", f"row is a JSON {type(value).__name__}, expected an object")
     for key, what in ((prompt_key, "prompt"), (label_key, "label"), (metadata_key, "metadata"), (tools_key, "tools")):
         if key is not None and key not in value:
-            raise _Bad("missing_key", f"missing {what} key {key!r} (row keys: {sorted(value)})")
+            raise RowProblem("missing_key", f"missing {what} key {key!r} (row keys: {sorted(value)})")
     prompt = value[prompt_key]
     if isinstance(prompt, list):
         bad = [m for m in prompt if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                                           and isinstance(m.get("content"), str))]
         if bad or not prompt:
-            raise _Bad("wrong_type", f"{prompt_key!r} is a list but not of {{role: str, content: str}} messages")
+            raise RowProblem("wrong_type", f"{prompt_key!r} is a list but not of {{role: str, content: str}} messages")
         if not apply_chat_template:
-            raise _Bad("wrong_type", f"{prompt_key!r} holds chat messages but data.apply_chat_template=false")
+            raise RowProblem("wrong_type", f"{prompt_key!r} holds chat messages but data.apply_chat_template=false")
     elif not isinstance(prompt, str):
-        raise _Bad("wrong_type", f"{prompt_key!r} holds a {type(prompt).__name__}; expected a string or a list "
+        raise RowProblem("wrong_type", f"{prompt_key!r} holds a {type(prompt).__name__}; expected a string or a list "
                                  f"of chat messages")
     metadata = {} if metadata_key is None or value[metadata_key] is None else value[metadata_key]
     if not isinstance(metadata, dict):
-        raise _Bad("wrong_type", f"metadata key {metadata_key!r} holds a {type(metadata).__name__}; expected an object")
+        raise RowProblem("wrong_type", f"metadata key {metadata_key!r} holds a {type(metadata).__name__}; expected an "
+                                       "object")
     tools = None if tools_key is None else value[tools_key]
     if tools is not None and not isinstance(tools, list):
-        raise _Bad("wrong_type", f"tools key {tools_key!r} holds a {type(tools).__name__}; expected a list")
+        raise RowProblem("wrong_type", f"tools key {tools_key!r} holds a {type(tools).__name__}; expected a list")
     return prompt, value[label_key], metadata, tools
 
 
-def _render(prompt: Any, tools: Optional[list], tokenizer, apply_chat_template: bool) -> str:
+def parse_response(value: dict, response_key: str) -> str:
+    """algo=sft: the row's target response; raises RowProblem when it is missing or not a string."""
+    if response_key not in value:
+        raise RowProblem("missing_key", f"missing response key {response_key!r} (row keys: {sorted(value)})")
+    if not isinstance(value[response_key], str):
+        what = type(value[response_key]).__name__
+        raise RowProblem("wrong_type", f"response key {response_key!r} holds a {what}; expected a string")
+    return value[response_key]
+
+
+def render_row(prompt: Any, tools: Optional[list], tokenizer, apply_chat_template: bool) -> str:
     if not apply_chat_template:
         return prompt
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # template errors come as jinja/ValueError/TypeError; all mean this row cannot render
-        raise _Bad("template_error", f"chat template failed: {type(e).__name__}: {e}") from e
+        raise RowProblem("template_error", f"chat template failed: {type(e).__name__}: {e}") from e
 
 
 def _build(raw: Iterator[tuple[int, Any, Optional[tuple]]], tokenizer, source: str, unit: str, prompt_key: str,
            label_key: str, metadata_key: Optional[str], tools_key: Optional[str], apply_chat_template: bool,
-           max_prompt_tokens: Optional[int], on_bad_line: str) -> PromptDataset:
+           max_prompt_tokens: Optional[int], on_bad_line: str, response_key: Optional[str] = None,
+           max_response_tokens: Optional[int] = None) -> PromptDataset:
     if on_bad_line not in ON_BAD_LINE:
         raise ValueError(f"data.on_bad_line={on_bad_line!r}; choose one of {', '.join(ON_BAD_LINE)}")
     stats = DatasetStats(source=source, max_prompt_tokens=max_prompt_tokens)
@@ -364,12 +404,13 @@ def _build(raw: Iterator[tuple[int, Any, Optional[tuple]]], tokenizer, source: s
         stats.rows += 1
         try:
             if problem is not None:
-                raise _Bad(*problem)
-            prompt, label, metadata, tools = _parse(value, prompt_key, label_key, metadata_key, tools_key,
+                raise RowProblem(*problem)
+            prompt, label, metadata, tools = parse_row(value, prompt_key, label_key, metadata_key, tools_key,
                                                     apply_chat_template)
-            parsed.append((_Row(row, prompt, label, metadata, tools),
-                           _render(prompt, tools, tokenizer, apply_chat_template)))
-        except _Bad as bad:
+            response = None if response_key is None else parse_response(value, response_key)
+            parsed.append((_Row(row, prompt, label, metadata, tools, response),
+                           render_row(prompt, tools, tokenizer, apply_chat_template)))
+        except RowProblem as bad:
             error = BadLineError(source, row + 1, bad.reason, bad.detail, unit)
             if on_bad_line == "error":
                 raise error from None
@@ -382,97 +423,22 @@ def _build(raw: Iterator[tuple[int, Any, Optional[tuple]]], tokenizer, source: s
     for start, stop in _chunks([text for _, text in parsed]):
         chunk = parsed[start:stop]
         ids = tokenizer([text for _, text in chunk], add_special_tokens=add_special_tokens)["input_ids"]
-        for (r, text), token_ids in zip(chunk, ids):
+        answers = [None] * len(chunk)
+        if response_key is not None:  # the response's tokens as an engine's answer ends: with EOS
+            answers = [a + [tokenizer.eos_token_id] for a in
+                       tokenizer([r.response for r, _ in chunk], add_special_tokens=False)["input_ids"]]
+        for (r, text), token_ids, answer in zip(chunk, ids, answers):
             stats.longest_prompt_tokens = max(stats.longest_prompt_tokens, len(token_ids))
             if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
                 stats.too_long += 1
                 continue
-            records.append(PromptRecord(r.row, r.prompt, text, list(token_ids), r.label, r.metadata, r.tools))
+            if answer is not None and max_response_tokens is not None and len(answer) > max_response_tokens:
+                stats.response_too_long += 1
+                continue
+            records.append(PromptRecord(r.row, r.prompt, text, list(token_ids), r.label, r.metadata, r.tools,
+                                        answer))
     stats.kept = len(records)
     if not records:
         raise ValueError(f"no prompts left: {stats.summary()}"
                          + (f"; first problems: {stats.skipped_examples}" if stats.skipped_examples else ""))
     return PromptDataset(records, stats)
-
-
-@dataclass
-class ScanReport:
-    """What a pre-flight scan of a prompt file found (``scan_prompt_file``)."""
-
-    source: str
-    """The file."""
-    rows: int = 0
-    """Rows of the slice scanned."""
-    bad: list[str] = field(default_factory=list)
-    """The first malformed rows, as "path, line k: what is wrong"."""
-    num_bad: int = 0
-    """Malformed rows among those scanned."""
-    too_long: int = 0
-    """Well-formed prompts longer than max_prompt_tokens (None when not tokenized)."""
-    longest_prompt_tokens: int = 0
-    """The longest prompt scanned, in tokens (0 when not tokenized)."""
-    complete: bool = True
-    """False when the scan stopped at its row or time bound before the end of the slice."""
-    seconds: float = 0.0
-    """How long the scan took."""
-    first: Optional[tuple[Any, Any, dict]] = None
-    """(prompt, label, metadata) of the first well-formed row, for the pre-flight call of the reward."""
-
-    @property
-    def usable(self) -> int:
-        """Rows the run would keep among those scanned (malformed and too-long ones left out)."""
-        return self.rows - self.num_bad - self.too_long
-
-
-def scan_prompt_file(path: str, cfg: DataConfig, tokenizer=None, *, row_start: int = 0,
-                     row_end: Optional[int] = None, max_rows: Optional[int] = None,
-                     max_seconds: Optional[float] = None, examples: int = 10) -> ScanReport:
-    """Read rows [row_start, row_end) of ``path`` as a run would (the same row rules and ``cfg.max_row_bytes`` as
-    ``load_prompt_file``, every malformed row collected rather than the first raised) and, with a tokenizer, count
-    the prompts longer than cfg.max_prompt_tokens. Stops after ``max_rows`` rows or ``max_seconds`` (``complete``
-    says whether it reached the end of the slice); memory stays bounded by the row cap and the tokenizer's chunks."""
-    import time
-
-    start = time.monotonic()
-    suffix = Path(path).suffix.lower()
-    raw = (_jsonl_rows(path, row_start, row_end, cfg.max_row_bytes) if suffix == ".jsonl"
-           else _parquet_rows(path, row_start, row_end, cfg.max_row_bytes))
-    unit = "line" if suffix == ".jsonl" else "row"
-    report = ScanReport(source=str(path))
-    texts: list[str] = []  # rendered prompts not tokenized yet, `chars` characters in all
-    chars = 0
-
-    def encode() -> None:
-        for ids in tokenizer(texts, add_special_tokens=not cfg.apply_chat_template)["input_ids"]:
-            report.longest_prompt_tokens = max(report.longest_prompt_tokens, len(ids))
-            report.too_long += len(ids) > cfg.max_prompt_tokens
-        texts.clear()
-
-    for row, value, problem in raw:
-        if (max_rows is not None and report.rows >= max_rows) or (
-                max_seconds is not None and time.monotonic() - start > max_seconds):
-            report.complete = False
-            break
-        report.rows += 1
-        try:
-            if problem is not None:
-                raise _Bad(*problem)
-            prompt, label, metadata, tools = _parse(value, cfg.prompt_key, cfg.label_key, cfg.metadata_key,
-                                                    cfg.tools_key, cfg.apply_chat_template)
-            if report.first is None:
-                report.first = (prompt, label, metadata)
-            if tokenizer is not None:
-                text = _render(prompt, tools, tokenizer, cfg.apply_chat_template)
-                if texts and (len(texts) >= _ENCODE_CHUNK or chars + len(text) > _ENCODE_CHARS):
-                    encode()
-                    chars = 0
-                texts.append(text)
-                chars += len(text)
-        except _Bad as bad:
-            report.num_bad += 1
-            if len(report.bad) < examples:
-                report.bad.append(BadLineError(str(path), row + 1, bad.reason, bad.detail, unit).where_what)
-    if texts:
-        encode()
-    report.seconds = time.monotonic() - start
-    return report

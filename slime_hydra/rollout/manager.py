@@ -15,6 +15,8 @@ round is aborted on every engine (``/abort_request``; sglang-router does not for
 directly): their partial samples come back aborted and the buffer recycles them (``rollout.partial_rollout``) or
 drops them. A round whose groups are all done while samples still wait for a concurrency slot never sends those:
 once the abort is decided they come back aborted without a request.
+Under ``algo.objective=sft`` a batch is the data's next rows with their responses instead (rollout/sft.py): no
+engine, no reward; the engines serve the evals only.
 
 Retries. A ``/generate`` that cannot reach an engine (connection error, router 502/503/504) is retried through the
 router up to ``rollout.max_generate_retries`` times (``net.backoff_s`` from 0.5 s; a health check runs first, so a
@@ -81,6 +83,7 @@ from slime_hydra.rollout.engines.process import last_traceback
 from slime_hydra.rollout.generate import RolloutContext, get_generate_fn, request_seed, sampling_params
 from slime_hydra.rollout.router import Router, RouterError
 from slime_hydra.rollout.sample_metrics import hook_counters, is_correct, reward_extras
+from slime_hydra.rollout.sft import sft_batch
 from slime_hydra.rollout.weight_relay import WeightRelay
 from slime_hydra.stall import InFlight
 
@@ -119,7 +122,8 @@ class RolloutManager:
             self.source = AdaptiveSampler(cfg.data.adaptive, cfg.data.task, cfg.data.seed, self._records)
             print(f"rollout: prompts generated at adaptive levels {self.source.state_dict()['levels']}", flush=True)
         else:
-            dataset = load_prompts(cfg.data, self.tokenizer)
+            sft = cfg.algo.objective == "sft"  # its rows come with their responses (rollout/sft.py)
+            dataset = load_prompts(cfg.data, self.tokenizer, cfg.rollout.max_response_tokens if sft else None)
             print(f"rollout: {dataset.stats.summary()}", flush=True)
             self.source = PromptSource(dataset.records, cfg.rollout.batch_prompts, shuffle=cfg.data.shuffle,
                                        seed=cfg.data.seed)
@@ -166,7 +170,8 @@ class RolloutManager:
                                 apply_chat_template=d.apply_chat_template, max_prompt_tokens=d.max_prompt_tokens).records
 
     def _eval_set(self, e) -> EvalSet:
-        dataset = load_eval_prompts(e, self.cfg.data, self.tokenizer)
+        sft = self.cfg.algo.objective == "sft"  # with the responses of the held-out loss (``held_out``)
+        dataset = load_eval_prompts(e, self.cfg.data, self.tokenizer, self.rollout.max_response_tokens if sft else None)
         budget = e.max_response_tokens or self.rollout.max_response_tokens
         params = sampling_params(self.rollout, temperature=e.temperature, max_new_tokens=budget)
         if e.temperature == 0:
@@ -267,6 +272,8 @@ class RolloutManager:
 
     async def _generate_batch(self) -> dict:
         self.pool.raise_if_failed()
+        if self.cfg.algo.objective == "sft":  # the data's responses: nothing to sample
+            return sft_batch(self.source.take(self.rollout.batch_prompts), self.batches_made or 0)
         start, serving = time.monotonic(), self.pool.in_service
         batch_prompts = self.rollout.batch_prompts
         params = sampling_params(self.rollout)
@@ -368,6 +375,10 @@ class RolloutManager:
                 metrics[f"eval/{ev.name}/pass@{k}"] = statistics.fmean(pass_at_k(n, sum(g), k) for g in correct)
                 k *= 2
         return metrics
+
+    def held_out(self) -> dict[str, list[dict]]:
+        """algo=sft: each eval set's rows with their responses, as samples (the trainer's held-out loss)."""
+        return {e.name: sft_batch(e.dataset.records, 0)["samples"] for e in self.eval_sets}
 
     def stall_probe(self) -> tuple[int, str]:
         """For the stall doctor (stall.py): the count of finished generations and reward groups, and what is in

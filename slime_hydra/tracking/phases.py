@@ -19,6 +19,18 @@ PHASES = ("rollout", "offload", "logprobs", "train", "weight_sync", "eval", "che
 mode only the part training did not hide), colocated memory moves, old/ref logprobs (+ values), the optimizer
 steps, the weight sync, eval, the checkpoint."""
 
+WAITS_ON = {
+    "rollout": "the rollout manager (RolloutManager.generate_batch)",
+    "offload": "the trainer ranks and the engines to move GPU memory (offload / onload, release / resume)",
+    "logprobs": "the trainer ranks (TrainRank.logprobs)",
+    "train": "the trainer ranks (TrainRank.train_step)",
+    "weight_sync": "the trainer ranks and the engines (the weight sync)",
+    "eval": "the rollout manager (RolloutManager.evaluate); algo=sft: then the trainer ranks (the held-out loss)",
+    "checkpoint": "the trainer ranks (saving, a background write), the rollout manager, the driver's checksums",
+    None: "nobody: the driver itself works between phases",
+}
+"""Whom loop.py's driver waits on in each phase, for the stall doctor's report (Session.waits_on)."""
+
 
 class StepTimer:
     def __init__(self) -> None:

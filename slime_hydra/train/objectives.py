@@ -9,13 +9,16 @@ micro-batch's extras (response-aligned [B, T]):
                 Without old_logprobs (one optimizer step per rollout: the policy that is trained is the one whose
                 logprobs would be recomputed) the forward's own detached logprobs are used, which equal them.
     CriticLoss: old_values, returns
+    SftLoss:    nothing (algo.objective=sft: the mean NLL of the response tokens under the loss mask, ``loss_agg``)
+
+``actor_loss(algo, max_response_tokens)`` is the policy's loss of the run's objective.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from slime_hydra.algo import compute_policy_loss, rollout_mismatch, value_loss
+from slime_hydra.algo import compute_policy_loss, rollout_mismatch, sft_loss, value_loss
 from slime_hydra.algo.config import AlgoConfig
 from slime_hydra.train.batch import TrainBatch
 
@@ -49,3 +52,17 @@ class CriticLoss:
                                    value_clip=self.algo.value_clip, loss_agg=self.algo.loss_agg,
                                    max_response_tokens=self.max_response_tokens)
         return loss * self.algo.value_loss_coef, metrics
+
+
+@dataclass(frozen=True)
+class SftLoss:
+    algo: AlgoConfig
+    max_response_tokens: int
+
+    def __call__(self, logp: torch.Tensor, _entropy, mb: TrainBatch):
+        return sft_loss(logp, mb.loss_mask, loss_agg=self.algo.loss_agg, max_response_tokens=self.max_response_tokens)
+
+
+def actor_loss(algo: AlgoConfig, max_response_tokens: int) -> ActorLoss | SftLoss:
+    """The policy's loss for algo.objective: policy_gradient -> ActorLoss, sft -> SftLoss."""
+    return (SftLoss if algo.objective == "sft" else ActorLoss)(algo, max_response_tokens)

@@ -2,6 +2,7 @@
 
     batch = to_train_batch(samples, pad_id, reward_key)        # rewards [B], rollout logprobs [B, T]
     metrics = add_advantages(batch, algo, group_size, old, ref, values)  # advantages, returns [B, T]; train/*
+    metrics = held_out_losses(trainer, {name: samples}, pad_id)    # algo=sft's eval/<name>/sft_loss
 
 Samples arrive group-contiguous (the group_size samples of one prompt next to each other), as the buffer hands
 them out; GRPO-style baselines rely on that order.
@@ -92,6 +93,19 @@ def needs_old_logprobs(algo: AlgoConfig, optimizer_steps_per_rollout: int) -> bo
 
     With one optimizer step per rollout batch, every micro-batch is trained by the policy that generated the
     advantages' batch, so old logprobs equal the training forward's (detached) and the extra pass is skipped
-    (ratio = 1 exactly, ppo_kl = 0). KL reward shaping (kl_coef) needs them before the advantages.
+    (ratio = 1 exactly, ppo_kl = 0). KL reward shaping (kl_coef) needs them before the advantages. algo=sft's loss
+    reads none.
     """
-    return optimizer_steps_per_rollout > 1 or algo.kl_coef > 0
+    return algo.objective == "policy_gradient" and (optimizer_steps_per_rollout > 1 or algo.kl_coef > 0)
+
+
+def held_out_losses(trainer, held_out: dict[str, list[dict]], pad_id: int) -> dict[str, float]:
+    """algo=sft: ``eval/<name>/sft_loss`` of each eval set, the mean negative log-likelihood (nats per token) of its
+    responses and EOS under the current policy, at temperature 1 (``trainer``: the TrainGroup; ``held_out``: each
+    set's samples as dicts, RolloutManager.held_out)."""
+    out = {}
+    for name, samples in held_out.items():
+        batch = to_train_batch([Sample.from_dict(s) for s in samples], pad_id)
+        logp = trainer.logprobs(batch, "current", 1.0)[0]
+        out[f"eval/{name}/sft_loss"] = float(-(logp * batch.loss_mask).sum() / batch.loss_mask.sum())
+    return out

@@ -22,6 +22,7 @@ NEEDS = {
     ("model", "*"): ("model.path=/ckpt/dir", "cluster=slurm", "rollout.num_gpus=1"),
     ("algo", "*"): REAL_MODEL,
     ("data", "*"): REAL_MODEL,
+    ("algo", "sft"): ("rollout.n_samples_per_prompt=1",),  # one response a row (rules.check_objective)
     ("data", "jsonl"): ("data.path=/data/train.jsonl",),
     ("data", "countdown"): ("reward=task",),
     ("data", "sorting"): ("reward=task",),

@@ -62,3 +62,17 @@ def test_dry_run_refuses_a_broken_dataset(dataset):
 
     out = launch("data=jsonl", f"data.path={dataset}", "data.max_prompt_tokens=64", "dry_run=true")
     assert out.returncode == 2 and f"{dataset}, line 21: blank line" in out.stderr
+
+
+def test_sft_refuses_rows_without_a_response_before_anything_starts(tmp_path):
+    """algo=sft trains on data.response_key (and scores its held-out loss on the eval rows'): a row without it is
+    malformed there (and only there: the same file is a good prompt file for RL)."""
+    rows = [{"prompt": f"{i}+1=", "label": str(i + 1), "response": str(i + 1)} for i in range(20)]
+    rows[7] = {"prompt": "7+1=", "label": "8"}
+    path = write(tmp_path / "sft.jsonl", rows)
+    cfg, _ = load("recipes=tiny_sft_cpu", "data=jsonl", f"data.path={path}", "data.max_prompt_tokens=64")
+    (problem,) = list(check_datasets(cfg))
+    assert problem.keys == ("data.path", "data.on_bad_line") and "1 malformed row(s) in all 20 rows" in problem.message
+    assert f"{path}, line 8: missing response key 'response'" in problem.message
+    cfg, _ = load("data=jsonl", f"data.path={path}", "data.max_prompt_tokens=64")
+    assert list(check_datasets(cfg)) == []

@@ -51,6 +51,13 @@ INVALID = [
     (("algo.true_on_policy=true", "train.compile=true"), "train.compile", "set train.compile=false"),
     (("rollout.elastic=true", "cluster.colocate=true", "rollout.num_gpus=null"), "rollout.elastic",
      "set cluster.colocate=false"),
+    # algo=sft: the data's responses, nothing sampled
+    (("algo=sft",), "rollout.n_samples_per_prompt", "use recipes=tiny_sft_cpu"),
+    (("recipes=tiny_sft_cpu", "algo.kl_loss_coef=0.01"), "algo.kl_loss_coef", "leave algo.kl_loss_coef at its default"),
+    (("recipes=tiny_sft_cpu", "algo.policy_loss=gspo"), "algo.policy_loss", "leave algo.policy_loss at its default"),
+    (("recipes=tiny_sft_cpu", "rollout.over_sampling_batch_prompts=96"), "rollout.over_sampling_batch_prompts",
+     "set rollout.over_sampling_batch_prompts=null"),
+    (("recipes=tiny_sft_cpu", "debug.mode=rollout_only"), "debug.mode", "set debug.mode=none"),
     # deterministic: nothing that timing decides
     (("deterministic=true", "mode=async"), "mode", "set mode=sync"),
     (("deterministic=true", "rollout.over_sampling_batch_prompts=64"), "rollout.over_sampling_batch_prompts",

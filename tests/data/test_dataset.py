@@ -184,3 +184,33 @@ def test_load_prompts_from_config_file_and_builtin_task(tmp_path, tok):
 
     eval_file = write_jsonl(tmp_path / "e.jsonl", ROWS)
     assert len(load_eval_prompts(EvalDataConfig(path=eval_file, max_prompts=2), cfg, tok)) == 2
+
+
+def test_sft_rows_carry_their_response_tokens_and_eos(tmp_path, tok):
+    """algo=sft: each record's response is tokenized without special tokens, EOS last; a response over
+    max_response_tokens drops its row (counted); a row without a string response is a bad line naming the key."""
+    rows = [{"prompt": "1+2=", "label": "3", "response": "3"}, {"prompt": "10+20=", "label": "30", "response": "30"},
+            {"prompt": "7+8=", "label": "15", "response": "15 and some more"}]
+    ds = load_prompt_file(write_jsonl(tmp_path / "s.jsonl", rows), tok, response_key="response",
+                          max_response_tokens=4)
+    assert [r.response_ids for r in ds.records] == [tok.encode("3", add_special_tokens=False) + [tok.eos_token_id],
+                                                    tok.encode("30", add_special_tokens=False) + [tok.eos_token_id]]
+    assert (ds.stats.rows, ds.stats.kept, ds.stats.response_too_long) == (3, 2, 1)
+    assert "1 with a response longer than rollout.max_response_tokens" in ds.stats.summary()
+    assert load_prompt_file(write_jsonl(tmp_path / "s.jsonl", rows), tok).records[0].response_ids is None
+    bad = write_jsonl(tmp_path / "b.jsonl", [rows[0], {"prompt": "1+1=", "label": "2"},
+                                             {"prompt": "2+2=", "label": "4", "response": 4}])
+    with pytest.raises(BadLineError, match=r"b.jsonl, line 2: missing response key 'response'"):
+        load_prompt_file(bad, tok, response_key="response")
+    skipped = load_prompt_file(bad, tok, response_key="response", on_bad_line="skip")
+    assert skipped.stats.skipped == {"missing_key": 1, "wrong_type": 1} and skipped.stats.kept == 1
+
+
+def test_sft_on_a_builtin_task_trains_on_its_solutions(tok):
+    """Each problem of the split with its task's solution (addition's: the answer), EOS last; eval rows too."""
+    ds = load_prompts(DataConfig(path=None, task="addition", row_end=100), tok, max_response_tokens=8)
+    held = load_eval_prompts(EvalDataConfig(max_prompts=20), DataConfig(), tok, max_response_tokens=8)
+    assert len(ds) == 100 and ds.stats.source == "task:addition/train" and len(held) == 20
+    for r in ds.records + held.records:
+        a, b = (int(x) for x in r.prompt.rstrip("=").split("+"))
+        assert tok.decode(r.response_ids[:-1]) == str(a + b) == r.label and r.response_ids[-1] == tok.eos_token_id

@@ -1,9 +1,9 @@
 """Built-in verifiable tasks generated offline (data.task=<name>): rows of {prompt, label} plus a held-out split.
 
 Each name in ``data/config.TASKS`` is a module here. ``addition`` is a fixed problem set (a module with
-``rows(split, seed)``, ``sft_rows(n, seed)`` and ``score``); the others are environments (``env.Environment``, the
-module's ``TASK``): they generate problems at a difficulty level from a seed, the same three calls plus levels, and
-score responses themselves (``task_reward``, the reward of ``reward=task``).
+``rows(split, seed)``, ``sft_rows(n, seed)``, ``solution(label, metadata)`` and ``score``); the others are
+environments (``env.Environment``, the module's ``TASK``): they generate problems at a difficulty level from a seed,
+the same four calls plus levels, and score responses themselves (``task_reward``, the reward of ``reward=task``).
 """
 
 import importlib
@@ -14,7 +14,7 @@ from slime_hydra.data.tasks.env import Environment
 
 
 def get_task(name: str):
-    """The task: the addition module, or an environment's ``TASK`` (both: rows, sft_rows, score)."""
+    """The task: the addition module, or an environment's ``TASK`` (both: rows, sft_rows, solution, score)."""
     if name not in TASKS:
         raise ValueError(f"unknown data.task={name!r}; built-in tasks: {', '.join(TASKS)}")
     module = importlib.import_module(f"{__name__}.{name}")

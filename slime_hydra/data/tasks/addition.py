@@ -34,6 +34,11 @@ def sft_rows(n: int, seed: int = 0) -> list[dict]:
     return [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a, b in picked]
 
 
+def solution(label: str, metadata: dict) -> str:
+    """A correct response to the problem whose answer is ``label``: the answer's digits (algo=sft's target)."""
+    return label
+
+
 def score(response: str, label: str) -> float:
     """1.0 when the response, stripped, is exactly the label's digits, else 0.0."""
     return float(response.strip() == label)
