@@ -143,7 +143,8 @@ class DataConfig:
                               f"adaptive difficulty needs an environment with levels; data.task={self.task} has none",
                               f"set {prefix}task to one of {', '.join(MAX_LEVELS)} (or list them in "
                               f"{prefix}adaptive.tasks)")
-            low = [t for t in self.adaptive.tasks or [self.task] if MAX_LEVELS.get(t, 1 << 30) < self.adaptive.min_level]
+            low = [t for t in self.adaptive.tasks or [self.task]  # a task without levels is refused above
+                   if t in MAX_LEVELS and MAX_LEVELS[t] < self.adaptive.min_level]
             if low:
                 yield Problem((f"{prefix}adaptive.min_level",),
                               f"min_level={self.adaptive.min_level} is above the highest level of "

@@ -51,6 +51,9 @@ INVALID = [
     (("algo.true_on_policy=true", "train.compile=true"), "train.compile", "set train.compile=false"),
     (("rollout.elastic=true", "cluster.colocate=true", "rollout.num_gpus=null"), "rollout.elastic",
      "set cluster.colocate=false"),
+    # the fuzz test's find: a min_level above every level of a task without levels (addition) raised a KeyError
+    (("data.adaptive.enabled=true", "data.adaptive.min_level=1000000000000000000"), "data.adaptive.enabled",
+     "set data.task to one of"),
     # algo=sft: the data's responses, nothing sampled
     (("algo=sft",), "rollout.n_samples_per_prompt", "use recipes=tiny_sft_cpu"),
     (("recipes=tiny_sft_cpu", "algo.kl_loss_coef=0.01"), "algo.kl_loss_coef", "leave algo.kl_loss_coef at its default"),
