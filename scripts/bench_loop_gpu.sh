@@ -6,13 +6,15 @@
 #   bash scripts/bench_loop_gpu.sh disaggregated  # two GPUs: trainer on one, engine on the other, NCCL broadcast
 #   bash scripts/bench_loop_gpu.sh colocated save_every_steps=2   # more overrides after the mode
 #   MODEL=qwen2_5_7b bash scripts/bench_loop_gpu.sh colocated train.lora.rank=32   # LoRA on a 7B shape
+#   TEACHER=qwen2_5_7b bash scripts/bench_loop_gpu.sh colocated   # algo=opd: a random teacher of that shape (bf16)
 # Prints the per-phase step times from metrics.jsonl (docs/benchmarks.md records them).
 set -euo pipefail
 mode=${1:-colocated}
 model=${MODEL:-qwen2_5_0_5b}
 out=${OUT:-/tmp}/loop_${mode}${RUN_TAG:+_$RUN_TAG}
 ckpt=/tmp/${model}_random
-python3 - "$ckpt" "$model" <<'PY'
+build() {  # a random-init checkpoint of model option $2 at $1, with the tiny tokenizer
+python3 - "$1" "$2" <<'PY'
 import sys
 from pathlib import Path
 import torch
@@ -27,6 +29,13 @@ if not (out / "config.json").exists():
                             tokenizer=tok, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                             bos_token_id=None)
 PY
+}
+build "$ckpt" "$model"
+teacher=()
+if [ -n "${TEACHER:-}" ]; then
+  build "/tmp/${TEACHER}_random" "$TEACHER"
+  teacher=(algo=opd algo.teacher.path=/tmp/${TEACHER}_random)
+fi
 common=(model=$model model.path=$ckpt cluster.gpus_per_node=$([ "$mode" = colocated ] && echo 1 || echo 2)
         train.num_gpus=1 train.dtype=bf16 train.lr=1e-6 train.micro_batch_samples=32 num_steps=6
         rollout.batch_prompts=32 rollout.n_samples_per_prompt=8 rollout.max_response_tokens=128
@@ -37,7 +46,7 @@ else
   args=(rollout.num_gpus=1 train.weight_sync=distributed)
 fi
 rm -rf "$out"  # a fresh run: the same run_name in an existing folder would resume its checkpoint instead
-python3 launch.py "${common[@]}" "${args[@]}" "${@:2}" || {
+python3 launch.py "${common[@]}" "${args[@]}" "${teacher[@]}" "${@:2}" || {
   status=$?  # what the engines and the router said (their logs stay on the machine)
   grep -H -i -A12 "error\|traceback" "$out"/run/logs/engine_*.log | head -80  # the engines' first, the cause
   grep -H -i "error" "$out"/run/logs/router.log | tail -5
@@ -46,7 +55,8 @@ python3 launch.py "${common[@]}" "${args[@]}" "${@:2}" || {
 python3 - "$out/run/metrics.jsonl" "$([ "$mode" = colocated ] && echo 1 || echo 2)" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "perf/step_time" in l]
-keys = ["perf/step_time", "perf/rollout_time", "perf/logprobs_time", "perf/train_time", "perf/weight_sync_time",
+keys = ["perf/step_time", "perf/rollout_time", "perf/logprobs_time", "perf/teacher_time", "perf/train_time",
+        "perf/weight_sync_time", "train/opd_reverse_kl",
         "perf/offload_time", "perf/offload_trainer_offload_time", "perf/offload_engine_resume_time",
         "perf/offload_engine_release_time", "perf/offload_trainer_onload_time", "perf/offload_release_and_onload_time",
         "perf/checkpoint_time", "perf/overhead_time", "perf/tokens_per_s", "rollout/tokens", "sync/bytes",

@@ -8,26 +8,26 @@ Who does what (docs/architecture.md has the whole map):
 - Ray places one bundle per GPU (``{GPU: 1, CPU: 1}``; ``{CPU: 1}`` per role process on a CPU-only machine).
   Training ranks take the first ``train.num_gpus`` bundles; engines take the next ``rollout.num_gpus``
   (disaggregated) or share the training bundles (``cluster.colocate``).
-- ``TrainGroup`` (train/group.py): the rank actors, one torch.distributed group, the backend (+ critic for PPO).
+- ``TrainGroup`` (train/group.py): the rank actors, one torch.distributed group, the backend (+ PPO's critic; the
+  teacher of algo=opd, frozen, in the same ranks).
 - ``RolloutManager`` (rollout/manager.py), an async Ray actor: router, engines, prompt source, buffer, rewards,
   eval sets. ``generate_batch`` returns a full training batch of scored, filtered samples.
 - Weight sync (train/weight_sync.py): every ``sync_every_steps`` steps the trainer pushes its weights to the
   engines as version = rollout steps trained.
 
-One step in sync mode: the engines generate a batch with the current weights; the trainer computes old (and
-reference) logprobs, advantages, then takes ``optimizer_steps_per_rollout`` optimizer steps on consecutive
-``global_batch_samples`` slices; the new weights go to the engines. In async mode (``mode=async``, roles on
+One step in sync mode: the engines generate a batch with the current weights; the trainer computes old (and reference)
+logprobs, the teacher's (algo=opd), advantages, then takes ``optimizer_steps_per_rollout`` optimizer steps on
+consecutive ``global_batch_samples`` slices; the new weights go to the engines. In async mode (``mode=async``, roles on
 separate GPUs) the rollouts of the next ``max_staleness`` steps (one at least) start before step k trains, one after
 another on the weights the engines hold then: samples lag the policy by at most ``max_staleness`` versions
 (``rollout/weight_version_lag``; the buffer drops older groups), a sync that arrives mid-rollout is applied in place,
 and TIS (``algo.tis_cap``) corrects the mixed logprobs with the behaviour logprobs.
 
-Colocated on GPUs (``cluster.colocate``), trainer and engines take turns with the GPU memory (turns.py),
-unless the memory plan fits both on one GPU together (``cluster.colocate_offload``, config/memory.py).
-
-Steps count from 1: the k-th step's metrics are row k of metrics.jsonl, its weights version k, its checkpoint
-step_k; row 0 is the eval before training. Every phase runs inside ``timer.phase(<name>)`` (tracking/phases.py:
-``perf/<name>_time`` in s, ``perf/step_time``, ``perf/overhead_time``, ``perf/step_tokens_per_s``).
+Colocated on GPUs (``cluster.colocate``), trainer and engines take turns with the GPU memory (turns.py), unless the
+memory plan fits both on one GPU together (``cluster.colocate_offload``, config/memory.py). Steps count from 1: the k-th
+step's metrics are row k of metrics.jsonl, its weights version k, its checkpoint step_k; row 0 is the eval before
+training. Every phase runs inside ``timer.phase(<name>)`` (tracking/phases.py: ``perf/<name>_time`` in s,
+``perf/step_time``, ``perf/overhead_time``, ``perf/step_tokens_per_s``).
 
 Checkpoints (checkpoint.py): every ``save_every_steps`` steps or ``save_every_minutes``, at the end, and on SIGTERM,
 SIGUSR1 or SIGUSR2 (preempt.py: the step in progress finishes and is saved, ``run`` returns ``"preempted"``). The
@@ -35,9 +35,9 @@ trainer ranks write theirs in the background; ``latest`` moves at a later step b
 ``resume=auto`` continues from the newest intact one: trainer state, prompt cursor, buffer, tracking step and
 (async mode) the rollouts started ahead.
 
-Between steps the driver answers requests to add, remove or list engines (``python -m slime_hydra.engines``).
-Debug modes (``debug.mode``): ``rollout_only`` generates and scores and never trains; ``train_only`` trains from the
-batches an earlier run saved (``debug.save_rollouts``, ``debug.rollout_path``) and starts no engine.
+Between steps the driver answers requests to add, remove or list engines (``python -m slime_hydra.engines``). Debug
+modes (``debug.mode``): ``rollout_only`` generates and scores and never trains; ``train_only`` trains from the batches
+an earlier run saved (``debug.save_rollouts``, ``debug.rollout_path``) and starts no engine.
 """
 
 import json
@@ -67,6 +67,7 @@ from slime_hydra.dotted import import_callable
 from slime_hydra.model.hf import copy_tokenizer, load_tokenizer
 from slime_hydra.rollout import engine_requests
 from slime_hydra.rollout.engines.kinds import ENGINE_KINDS
+from slime_hydra.model.teacher import resolve_teacher
 from slime_hydra.model.warm_start import resolve_model_path
 from slime_hydra.stall import PROBE_TIMEOUT_S, StallDoctor, StallError
 from slime_hydra.tracking.phases import WAITS_ON, StepTimer
@@ -97,11 +98,12 @@ def run(cfg: SlimeConfig, run_dir: Path) -> str:
             usable_cores()  # sampled (once per process) before the warm start and Ray's daemons load the cores
         model_path = resolve_model_path(cfg.model, cfg.data, cfg.seed)
         record["model_path"] = str(model_path)  # what export.py builds the run's HF exports on
+        teacher = resolve_teacher(cfg, model_path)  # algo=opd's (built like the model, if an option is built)
         write_json(run_dir / RUN_RECORD, record)
         local_ray = init_ray(cfg, run_dir)
         try:
             preempt.install()  # after ray.init, which installs its own SIGTERM handler in the driver
-            session = Session(cfg, derive(cfg), run_dir, model_path)
+            session = Session(cfg, derive(cfg), run_dir, model_path, teacher)
             try:
                 outcome = session.train()
                 return outcome
@@ -150,8 +152,8 @@ class Session:
     checkpoints: Checkpoints
     """Where the run resumes from, a folder for each save, and its completion (checkpoint.py)."""
 
-    def __init__(self, cfg: SlimeConfig, d: Derived, run_dir: Path, model_path: Path):
-        self.cfg, self.d, self.run_dir, self.model_path = cfg, d, run_dir, model_path
+    def __init__(self, cfg: SlimeConfig, d: Derived, run_dir: Path, model_path: Path, teacher: Optional[Path] = None):
+        self.cfg, self.d, self.run_dir, self.model_path, self.teacher_path = cfg, d, run_dir, model_path, teacher
         self.debug = cfg.debug.mode
         self.trainer = self.critic = self.manager = self.pg = self.tracker = None
         self.engine_urls: list[str] = []
@@ -203,7 +205,7 @@ class Session:
         self.trainer = TrainGroup(self.pg, cfg.train.num_gpus, cfg.train.backend, self.model_path, cfg.train, total,
                                   cfg.algo.loss_agg, cfg.algo.needs_reference, gpus_per_rank=gpus, cpus_per_rank=1.0,
                                   torch_threads=self.cpu_threads, batch_invariant=cfg.algo.true_on_policy,
-                                  deterministic=cfg.deterministic)
+                                  deterministic=cfg.deterministic, teacher_path=self.teacher_path)
         if cfg.algo.needs_critic:
             self.critic = TrainGroup(self.pg, cfg.train.num_gpus, cfg.train.backend, self.model_path, cfg.train,
                                      total, cfg.algo.loss_agg, False, gpus_per_rank=gpus / 2 if gpus else 0.0,
@@ -378,8 +380,10 @@ class Session:
                    if needs_old_logprobs(algo, self.d.optimizer_steps_per_rollout) else None)
             ref = self.trainer.logprobs(batch, "ref", temperature)[0] if algo.needs_reference else None
             values = self.critic.values(batch) if self.critic is not None else None
-            prepared = {} if algo.objective == "sft" else add_advantages(  # sft: the data's tokens, no advantages
-                batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values, cfg.rollout.max_response_tokens)
+        with timer.phase("teacher" if algo.distills else "logprobs"):  # algo=opd: the teacher scores every token
+            teacher = self.trainer.logprobs(batch, "teacher", temperature)[0] if algo.distills else None
+        prepared = {} if algo.objective == "sft" else add_advantages(  # sft: the data's tokens, no advantages
+            batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values, cfg.rollout.max_response_tokens, teacher)
         with timer.phase("train"):
             loss = actor_loss(algo, cfg.rollout.max_response_tokens)
             sums: dict[str, float] = {}

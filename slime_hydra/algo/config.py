@@ -13,14 +13,15 @@ The algo options (``conf/algo/``) are named recipes of these fields:
 | reinforce_pp_baseline | reinforce_pp_baseline | ppo_clip | group-mean baseline, whitening |
 | ppo | gae | ppo_clip | critic (value head), gamma / lam |
 | sft | - | - | ``objective: sft``: the data's responses, mean NLL of their tokens (no sampling, no reward) |
+| opd | grpo | ppo_clip | ``objective: opd``: on-policy distillation, a teacher scores every sampled token |
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from slime_hydra.options import Problem, choice, non_negative, within
 
-OBJECTIVES = ("policy_gradient", "sft")
+OBJECTIVES = ("policy_gradient", "sft", "opd")
 """algo.objective: what a step trains on and how (loop.Session.train_phase, train/objectives.py)."""
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 """algo.advantage_estimator: names ``algo/advantages.compute_advantages`` accepts."""
@@ -35,6 +36,26 @@ LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mea
 
 
 @dataclass
+class TeacherConfig:
+    """algo.objective=opd: on-policy distillation (Agarwal et al. 2024; Thinking Machines 2025). The student samples
+    with the engines, the teacher scores each sampled token, and the advantage of token t is
+
+        A_t = reward_weight * A_t(advantage_estimator) - kl_coef * (log pi_student(y_t) - log pi_teacher(y_t))
+
+    the second term a one-sample estimate of the reverse KL(student || teacher) at that token (train/prepare.py);
+    pi_student is the policy that sampled (the trainer's old logprobs when computed, else the engine's)."""
+
+    path: Optional[str] = None
+    """The teacher: an HF checkpoint directory, or the name of a conf/model option (its model.path, or, where that is
+    null, its build offline as model=tiny's, model/teacher.py). Its tokenizer must be the student's."""
+    kl_coef: float = non_negative(1.0)
+    """Weight of the per-token reverse KL to the teacher in the advantage (slime's --opd-kl-coef)."""
+    reward_weight: float = non_negative(0.0)
+    """Weight of the advantage estimator's task-reward advantage mixed in; 0 distills only (the reward is still
+    scored and logged)."""
+
+
+@dataclass
 class AlgoConfig:
     name: str = "grpo"
     """The conf/algo option this came from (used in run names and logs)."""
@@ -42,7 +63,8 @@ class AlgoConfig:
     """policy_gradient: the engines sample, rewards score, the policy loss below trains | sft: supervised
     fine-tuning on the data's responses (data.response_key, or a built-in task's worked examples), loss = mean NLL
     of the response tokens with EOS (``loss_agg``); the engines serve the evals only. The RL fields below are
-    refused when set (config/rules.py)."""
+    refused when set (config/rules.py) | opd: on-policy distillation from ``teacher`` (the policy loss below, the
+    advantage of TeacherConfig)."""
     advantage_estimator: str = choice("grpo", ADVANTAGE_ESTIMATORS)
     """grpo | reinforce_pp | reinforce_pp_baseline | gae (PPO with a critic)."""
     policy_loss: str = choice("ppo_clip", POLICY_LOSSES)
@@ -98,6 +120,8 @@ class AlgoConfig:
     """DAPO soft overlong punishment: the last N tokens before max_response_tokens are penalised linearly; 0 off."""
     overlong_penalty: float = non_negative(1.0)
     """Reward subtracted at the hard limit by the overlong punishment (linear from 0 over the buffer)."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """algo.objective=opd: the teacher and how its scores enter the advantage."""
 
     @property
     def needs_reference(self) -> bool:
@@ -109,8 +133,21 @@ class AlgoConfig:
         """PPO's GAE estimator learns a value model next to the policy."""
         return self.advantage_estimator == "gae"
 
+    @property
+    def distills(self) -> bool:
+        """On-policy distillation: the trainer ranks hold the teacher and score every sampled token with it."""
+        return self.objective == "opd"
+
     def check(self, prefix: str) -> Iterator[Problem]:
         """What the field domains cannot say (options.py)."""
+        if self.distills and self.teacher.path is None:
+            yield Problem((f"{prefix}teacher.path", f"{prefix}objective"), "on-policy distillation (objective=opd) "
+                          "scores the student's samples with a teacher, and none is given",
+                          f"set {prefix}teacher.path=<HF checkpoint dir> or a conf/model option (e.g. tiny_teacher)")
+        if not self.distills and self.teacher != TeacherConfig():
+            yield Problem((f"{prefix}teacher", f"{prefix}objective"), f"algo.teacher is set but objective="
+                          f"{self.objective} has no teacher", f"set {prefix}objective=opd (algo=opd), or drop the "
+                          f"{prefix}teacher overrides")
         if self.kl_coef > 0 and self.kl_loss_coef > 0:
             yield Problem((f"{prefix}kl_coef", f"{prefix}kl_loss_coef"),
                           f"KL as reward shaping (kl_coef={self.kl_coef}) and as a loss term "

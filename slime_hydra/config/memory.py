@@ -21,6 +21,9 @@ heads / KV heads / head dim):
                         A_P = rank x sum of (in + out) over the adapted linears, no compute copy; activations add
                         the adapters' fp32 inputs (4 x in bytes per token and adapted linear: PEFT upcasts x for
                         each one); no reference copy (the reference is the base, adapter off)
+    algo=opd teacher    P_t x 2 (bf16; 4 fp32) frozen weights in every trainer rank (P_t: the teacher's parameters,
+                        split as the student's: FSDP over DP, megatron over TP x PP; read off its option or
+                        config.json, model/teacher.py); moved to the host with the trainer when colocated
     multi-latent attn.  its projections (q_a, q_b or q, kv_a with the shared RoPE key, kv_b, o) instead of q/k/v/o;
                         activations its latents (2 (q_lora + kv_lora + rope) bytes, not split over TP) and q, k
                         (h (nope + rope) each), v (h v_head_dim) in place of the q/k/v terms; the engine caches keys
@@ -247,7 +250,24 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
     usage.parts["activations"] = act * in_flight
     compiled = t.compile if t.compile is not None else on_gpu
     usage.parts["logits"] = logits * m.vocab_size / tp * LOGIT_BYTES[bool(compiled and on_gpu)] * (1 if bf16 else 2)
+    teacher = _teacher(cfg) if role == "trainer rank" else None
+    if teacher is not None:
+        split = t.tp * t.pp if megatron else d.dp
+        usage.parts["teacher weights"] = param_counts(replace(cfg, model=teacher)).total(teacher.num_layers) * (
+            2 if bf16 else 4) / split
     return usage
+
+
+def _teacher(cfg: SlimeConfig):
+    """algo=opd: the teacher's ModelConfig; None without one, or when it cannot be read (config/files.py says why)."""
+    from slime_hydra.model.teacher import teacher_option
+
+    if not cfg.algo.distills or cfg.algo.teacher.path is None:
+        return None
+    try:
+        return teacher_option(cfg.algo.teacher.path)
+    except (OSError, ValueError):
+        return None
 
 
 def engine_usage(cfg: SlimeConfig, d: Derived) -> Usage:
@@ -332,7 +352,8 @@ def plan_memory(cfg: SlimeConfig, d: Derived) -> MemoryPlan:
                 shared.parts.update({"the larger of the two": max(trainer.total, engine.total) - CUDA_RESERVE,
                                      "CUDA reserve (two processes)": 2 * CUDA_RESERVE})
                 host.parts["trainer offload"] = ranks_per_node * (trained * 4 + trainer.parts["Adam state"]
-                                                                  + trainer.parts.get("frozen base", 0.0))
+                                                                  + trainer.parts.get("frozen base", 0.0)
+                                                                  + trainer.parts.get("teacher weights", 0.0))
                 host.parts["parked engine weights"] = engines_per_node * engine.parts.get("weights", 0.0)
             else:
                 shared = Usage("colocated GPU (trainer and engine both resident)")

@@ -243,7 +243,8 @@ def check_lengths(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
 
 def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
     a = cfg.algo
-    rl = a.objective == "policy_gradient"  # check_objective says what algo.objective=sft refuses
+    # check_objective says what algo.objective=sft refuses; algo=opd with reward_weight 0 leaves the estimator out
+    rl = a.objective == "policy_gradient" or (a.distills and a.teacher.reward_weight > 0)
     group_based = rl and (a.advantage_estimator in GROUP_ESTIMATORS or a.dynamic_filter is not None)
     if group_based and cfg.rollout.n_samples_per_prompt < 2:
         why = f"advantage_estimator={a.advantage_estimator}" if a.advantage_estimator in GROUP_ESTIMATORS else (

@@ -62,7 +62,8 @@ def placement_lines(cfg: SlimeConfig, d: Derived) -> list[str]:
     lines = [
         f"Ray on {d.nodes} node(s), {mode}, {cfg.mode} mode, weight sync: {d.weight_sync}",
         f"  placement group 'train': {d.train_gpus} x {bundle} -> {d.train_gpus} {cfg.train.backend} rank actor(s), "
-        f"dp={d.dp} tp={cfg.train.tp} pp={cfg.train.pp} cp={cfg.train.cp}",
+        f"dp={d.dp} tp={cfg.train.tp} pp={cfg.train.pp} cp={cfg.train.cp}"
+        + (f", each holding the teacher {cfg.algo.teacher.path} (frozen)" if cfg.algo.distills else ""),
     ]
     if cfg.debug.mode != "train_only":
         where = "the 'train' bundles" if cfg.cluster.colocate else f"placement group 'rollout': {d.rollout_gpus} x {bundle}"

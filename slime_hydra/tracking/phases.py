@@ -14,15 +14,16 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-PHASES = ("rollout", "offload", "logprobs", "train", "weight_sync", "eval", "checkpoint")
+PHASES = ("rollout", "offload", "logprobs", "teacher", "train", "weight_sync", "eval", "checkpoint")
 """What loop.py times, in the order a step runs them: the rollout (the loop's wait for a scored batch; in async
-mode only the part training did not hide), colocated memory moves, old/ref logprobs (+ values), the optimizer
-steps, the weight sync, eval, the checkpoint."""
+mode only the part training did not hide), colocated memory moves, old/ref logprobs (+ values), the teacher's
+logprobs (on-policy distillation), the optimizer steps, the weight sync, eval, the checkpoint."""
 
 WAITS_ON = {
     "rollout": "the rollout manager (RolloutManager.generate_batch)",
     "offload": "the trainer ranks and the engines to move GPU memory (offload / onload, release / resume)",
     "logprobs": "the trainer ranks (TrainRank.logprobs)",
+    "teacher": "the trainer ranks (TrainRank.logprobs of the teacher they hold)",
     "train": "the trainer ranks (TrainRank.train_step)",
     "weight_sync": "the trainer ranks and the engines (the weight sync)",
     "eval": "the rollout manager (RolloutManager.evaluate); algo=sft: then the trainer ranks (the held-out loss)",

@@ -2,7 +2,7 @@
 rank of the group, collectively), implemented by train=fsdp (train/fsdp.py) and train=megatron
 (train/megatron/backend.py) with the same semantics.
 
-    backend = Backend(model_path, train_cfg, total_steps, loss_agg, keep_reference, role="actor" | "critic")
+    backend = Backend(model_path, train_cfg, total_steps, loss_agg, keep_reference, role="actor" | "critic" | "teacher")
     logp, entropy = backend.logprobs(batch, policy="current" | "ref", temperature, with_entropy)  # [B, T] on host
     metrics = backend.train_step(batch, loss_fn, temperature, with_entropy)  # one optimizer step; grad_norm, lr
     for hf_name, tensor in backend.iter_full_weights(): ...                  # weight sync, HF names, full tensors
@@ -18,7 +18,9 @@ With train.lora the base weights are frozen: ``iter_full_weights`` and ``export_
 and its optimizer state only (the base loads from the model path).
 
 ``batch`` is this rank's share of the global batch (train/batch.TrainBatch: right-padded rows, response columns
-[B, T]). A critic (PPO) returns its values V(s_j) from ``logprobs`` / ``values`` in place of logprobs.
+[B, T]). A critic (PPO) returns its values V(s_j) from ``logprobs`` / ``values`` in place of logprobs. A teacher
+(algo.objective=opd) is frozen: its weights in the compute dtype, no optimizer, ``logprobs`` of the current policy
+only.
 """
 
 import os
@@ -35,6 +37,18 @@ from slime_hydra.train.batch import TrainBatch
 from slime_hydra.train.checkpoint_writer import CheckpointWriter
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.precision import ComputeCopyBackend
+
+ROLES = ("actor", "critic", "teacher")
+"""What a backend instance is: the policy, PPO's value model, or on-policy distillation's frozen teacher."""
+
+
+def is_frozen(role: str) -> bool:
+    """Whether a backend of this role holds its weights frozen (the teacher: forward passes only, no optimizer);
+    a role outside ROLES is refused."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return role == "teacher"
+
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
 """loss_fn(logp [B,T], entropy [B,T] or None, micro_batch) -> (mean loss over the micro-batch's units, metrics)."""
@@ -61,7 +75,7 @@ def allow_recompiles(limit: int) -> None:
 
 
 class TrainBackend(ComputeCopyBackend):
-    """The protocol above; ``role`` is "actor" or "critic"."""
+    """The protocol above; ``role`` is one of ROLES."""
 
     role: str
     train_cfg: TrainConfig

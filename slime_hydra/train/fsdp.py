@@ -23,7 +23,8 @@ units(micro) / units(global batch, all ranks) * world_size, so after FSDP's grad
 gradient equals that of the global-batch mean, whatever the micro-batch split.
 
 Critic (PPO): ``role="critic"`` loads the same checkpoint as a token-classification model with one output (a fresh
-value head), trains with ``train.critic_lr``, and its forward yields values in place of logprobs.
+value head), trains with ``train.critic_lr``, and its forward yields values in place of logprobs. Teacher
+(on-policy distillation): ``role="teacher"`` loads its checkpoint frozen, in the compute dtype, with no optimizer.
 
 Colocated with engines on GPUs, ``offload`` moves parameters and optimizer state to the host while the engines
 generate and ``onload`` brings them back (train/offload.Offloadable).
@@ -65,8 +66,8 @@ from slime_hydra.train.batch import (BatchLogprobs, TrainBatch, first_predicting
 from slime_hydra.train.packing import ATTENTION, pack, packed_logprobs, packed_values, register_attention
 from slime_hydra.train.config import TrainConfig
 from slime_hydra.train.backend import (
-    LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options, export_dtype, load_rank_file, rng_state,
-    set_rng_state, write_rank_file,
+    LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options, export_dtype, is_frozen, load_rank_file,
+    rng_state, set_rng_state, write_rank_file,
 )
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.reference import host_copy, pinned, swapped_in
@@ -88,9 +89,7 @@ class FSDPBackend(TrainBackend):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.world = dist.get_world_size()
         self.dp_rank, self.dp_size = dist.get_rank(), self.world  # FSDP: every rank is a data-parallel rank
-        if role not in ("actor", "critic"):
-            raise ValueError(f"role must be actor or critic, got {role!r}")
-        self.role = role
+        self.role, frozen = role, is_frozen(role)
         low = compute_dtype(train, self.device)
         self.lora = train.lora.enabled and role == "actor"
         self.packed = train.pack_sequences
@@ -105,8 +104,10 @@ class FSDPBackend(TrainBackend):
             model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, dtype=torch.float32,
                                                                     attn_implementation=attention)
         else:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=low if self.lora else torch.float32,
-                                                         attn_implementation=attention)
+            dtype = low if self.lora or frozen else torch.float32
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attention)
+        if frozen:
+            model.requires_grad_(False)
         if batch_invariant:
             invariant.make_batch_invariant(model)
         if train.gradient_checkpointing:
@@ -140,13 +141,14 @@ class FSDPBackend(TrainBackend):
             for layer in hf.model.layers:  # one rank (fsdp=True in tests): keep layers unsharded for the backward
                 fully_shard(layer, mp_policy=mp, reshard_after_forward=self.world > 1)
             fully_shard(model, mp_policy=mp)
-        elif low != torch.float32 and not self.lora:
+        elif low != torch.float32 and not self.lora and not frozen:
             self._compute = ComputeCopy(model, low)
         self.model, self.hf = model, hf
         self._trainable = frozenset(n for n, p in model.named_parameters() if p.requires_grad)
         """Names of the parameters that train (all of them without LoRA)."""
         peak = train.critic_lr if role == "critic" else train.lr
-        self.optimizer, self.scheduler = build_optimizer(model.parameters(), train, total_steps, peak)
+        self.optimizer, self.scheduler = (None, None) if frozen else build_optimizer(model.parameters(), train,
+                                                                                     total_steps, peak)
         self.step = 0
         self.keep_reference = keep_reference
         self._ref_shards = host_copy(self._local_shards()) if keep_reference and not self.lora else None

@@ -3,6 +3,7 @@
     group = TrainGroup(placement_group, num_ranks, backend, model_path, train_cfg, total_steps, loss_agg,
                        keep_reference)
     logp, entropy = group.logprobs(batch, policy="current")      # [B, T], reassembled in batch order
+    teacher_logp, _ = group.logprobs(batch, policy="teacher")      # teacher_path given: the distillation teacher's
     values = critic_group.values(batch)                            # role="critic": [B, T] values
     metrics = group.train_step(batch, loss_fn)                     # one optimizer step on the whole batch
     group.push_weights(version)                                    # into the engines (train/weight_sync.py)
@@ -12,6 +13,10 @@ The batch goes to the object store once; each data-parallel rank takes its share
 equal row counts, balanced token counts), so every rank of one model replica (TP/PP peers in Megatron) sees the same
 rows. One bundle per rank: {GPU: 1} on a
 GPU cluster, {CPU: 1} on a CPU-only machine.
+
+On-policy distillation's teacher lives in the actor's ranks (``teacher_path``): a second, frozen backend instance
+(role="teacher") over the same process group and parallel layout, so its share of a batch is the actor's, and it
+moves to the host and back with the actor's state when colocated engines take the GPU (``MOVES``).
 """
 
 import importlib
@@ -31,8 +36,15 @@ from slime_hydra.train.kinds import TRAIN_BACKEND_KINDS
 
 
 
+MOVES = {"start_offload": None, "offload": sum, "onload": sum, "onload_fits": all}
+"""The colocated moves (train/offload.py) a rank's teacher makes with its actor: how the two results combine."""
+
+
 class TrainRank:
     """One training rank. Created through ray.remote by TrainGroup; the process group forms in ``setup``."""
+
+    teacher = None
+    """The frozen teacher backend of on-policy distillation (role="teacher"), or None."""
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port for the process group's rendezvous (asked of rank 0)."""
@@ -41,7 +53,8 @@ class TrainRank:
 
     def setup(self, rank: int, world: int, master: tuple[str, int], backend: str, model_path: str,
               train: TrainConfig, total_steps: int, loss_agg: str, keep_reference: bool, role: str,
-              torch_threads: int | None, batch_invariant: bool = False, deterministic: bool = False) -> None:
+              torch_threads: int | None, batch_invariant: bool = False, deterministic: bool = False,
+              teacher_path: str | None = None) -> None:
         from slime_hydra.train.backend import init_distributed
 
         if deterministic:  # deterministic=true: kernels that add in a fixed order (cuBLAS reads its variable at init)
@@ -58,6 +71,8 @@ class TrainRank:
             kwargs["batch_invariant"] = True
         self.backend = Backend(model_path, train, total_steps, loss_agg=loss_agg, keep_reference=keep_reference,
                                **kwargs)
+        if teacher_path is not None:
+            self.teacher = Backend(teacher_path, train, 0, loss_agg=loss_agg, role="teacher")
         self.pusher = None
 
     def _share(self, batch: TrainBatch) -> tuple[list[int], TrainBatch]:
@@ -66,7 +81,8 @@ class TrainRank:
 
     def logprobs(self, batch: TrainBatch, policy: str, temperature: float, with_entropy: bool):
         rows, share = self._share(batch)
-        logp, entropy = self.backend.logprobs(share, policy, temperature, with_entropy)
+        backend, policy = (self.teacher, "current") if policy == "teacher" else (self.backend, policy)
+        logp, entropy = backend.logprobs(share, policy, temperature, with_entropy)
         return rows, logp, entropy
 
     def values(self, batch: TrainBatch):
@@ -77,8 +93,13 @@ class TrainRank:
         return self.backend.train_step(self._share(batch)[1], loss_fn, temperature, with_entropy)
 
     def call(self, method: str, *args):
-        """Run a backend method by name on this rank (save, load, export_hf: all collective)."""
-        return getattr(self.backend, method)(*args)
+        """Run a backend method by name on this rank (save, load, export_hf: all collective); the colocated moves
+        (``MOVES``) move the teacher too."""
+        result = getattr(self.backend, method)(*args)
+        if self.teacher is not None and method in MOVES:
+            combine, other = MOVES[method], getattr(self.teacher, method)(*args)
+            return combine((result, other)) if combine is not None else None
+        return result
 
     def connect_rollout(self, method: str, manager, bucket_mb: int, run_dir: str, dtype: str, adapter: bool) -> None:
         """Set up weight sync to the rollout manager's engines (train/weight_sync.py)."""
@@ -94,10 +115,12 @@ class TrainGroup:
     def __init__(self, pg: PlacementGroup, num_ranks: int, backend: str, model_path: str | Path, train: TrainConfig,
                  total_steps: int, loss_agg: str, keep_reference: bool, gpus_per_rank: float = 0.0,
                  bundle_offset: int = 0, role: str = "actor", cpus_per_rank: float = 1.0,
-                 torch_threads: int | None = None, batch_invariant: bool = False, deterministic: bool = False):
+                 torch_threads: int | None = None, batch_invariant: bool = False, deterministic: bool = False,
+                 teacher_path: str | Path | None = None):
         """torch_threads: CPU threads of each rank's torch ops; None means the CPUs Ray assigned it.
         batch_invariant: the ranks' forward is the batch-invariant one (algo.true_on_policy).
-        deterministic: the ranks run torch's deterministic algorithms (deterministic=true)."""
+        deterministic: the ranks run torch's deterministic algorithms (deterministic=true).
+        teacher_path: on-policy distillation's teacher checkpoint, held frozen by every rank (``policy="teacher"``)."""
         actor_cls = ray.remote(TrainRank)
         self.ranks = [
             actor_cls.options(
@@ -108,7 +131,8 @@ class TrainGroup:
         ]
         master = ray.get(self.ranks[0].address.remote())
         ray.get([r.setup.remote(i, num_ranks, master, backend, str(model_path), train, total_steps, loss_agg,
-                                keep_reference, role, torch_threads, batch_invariant, deterministic)
+                                keep_reference, role, torch_threads, batch_invariant, deterministic,
+                                str(teacher_path) if teacher_path is not None else None)
                  for i, r in enumerate(self.ranks)])
 
     def values(self, batch: TrainBatch) -> torch.Tensor:

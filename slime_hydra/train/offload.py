@@ -31,9 +31,11 @@ ONLOAD_MARGIN = 1 << 30
 context's own growth)."""
 
 
-def _gpu_state(optimizer: torch.optim.Optimizer) -> list[tuple[dict, str]]:
+def _gpu_state(optimizer: torch.optim.Optimizer | None) -> list[tuple[dict, str]]:
     """The (state dict, key) of every optimizer state tensor this rank holds on the GPU (ZeroRedundancyOptimizer: its
-    shard's; optim.Partitioned: each part's)."""
+    shard's; optim.Partitioned: each part's; none for a frozen teacher's None)."""
+    if optimizer is None:
+        return []
     return [(state, key) for state in local_states(optimizer) for key, value in state.items()
             if torch.is_tensor(value) and value.is_cuda]
 

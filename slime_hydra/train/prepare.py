@@ -1,7 +1,7 @@
 """From scored samples to a train batch with advantages: the 'old/ref logprobs -> advantages' part of a step.
 
     batch = to_train_batch(samples, pad_id, reward_key)        # rewards [B], rollout logprobs [B, T]
-    metrics = add_advantages(batch, algo, group_size, old, ref, values)  # advantages, returns [B, T]; train/*
+    metrics = add_advantages(batch, algo, group_size, old, ref, values, teacher=teacher)  # advantages, returns [B, T]
     metrics = held_out_losses(trainer, {name: samples}, pad_id)    # algo=sft's eval/<name>/sft_loss
 
 Samples arrive group-contiguous (the group_size samples of one prompt next to each other), as the buffer hands
@@ -42,7 +42,8 @@ def to_train_batch(samples: Sequence[Sample], pad_id: int, reward_key: Optional[
 
 def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_logprobs: Optional[torch.Tensor],
                    ref_logprobs: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None,
-                   max_response_tokens: Optional[int] = None) -> dict[str, float]:
+                   max_response_tokens: Optional[int] = None,
+                   teacher: Optional[torch.Tensor] = None) -> dict[str, float]:
     """Store old_logprobs, ref_logprobs, advantages and returns (and values as old_values) in batch.extras; return
     the step's metrics of this part: ``train/advantage_abs_mean`` (mean |advantage| over the trained tokens),
     ``train/overlong_penalty`` (DAPO: its mean over the samples) and ``train/reward_kl`` (reward shaping: the
@@ -53,6 +54,12 @@ def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_log
     old_logprobs may be None when the loss takes them from its own forward (``needs_old_logprobs`` is False).
     With algo.overlong_buffer_tokens > 0 (DAPO) the rewards get ``overlong_penalty`` of the response lengths
     against ``max_response_tokens`` first (the penalty is kept as extras["overlong_penalty"]).
+
+    On-policy distillation (``teacher``: the teacher's [B, T] logprobs of the sampled tokens): the advantage becomes
+    ``algo.teacher.reward_weight * A - algo.teacher.kl_coef * (student - teacher)`` per token (algo/config.py,
+    TeacherConfig), the student's logprobs being old_logprobs when given, else the engine's (rollout_logprobs);
+    metrics ``train/opd_reverse_kl`` (the mean of student - teacher over the trained tokens: a one-sample estimate
+    of KL(student || teacher) per token, in nats) and ``train/teacher_logprob`` (the teacher's mean logprob there).
     """
     extras = batch.extras
     if algo.overlong_buffer_tokens > 0:
@@ -76,11 +83,22 @@ def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_log
         group_size=group_size if algo.advantage_estimator in ("grpo", "reinforce_pp_baseline") else None,
         std_normalization=algo.std_normalization, gamma=algo.gamma, lam=algo.lam, kl_coef=algo.kl_coef, kl=kl,
         values=values, normalize_advantages=algo.normalize_advantages)
+    tokens = batch.loss_mask.sum()
+    metrics = {}
+    if teacher is not None:
+        student = old_logprobs if old_logprobs is not None else extras.get("rollout_logprobs")
+        if student is None:
+            raise ValueError("on-policy distillation needs the student's logprobs of its samples: the engines report "
+                             "none (return_logprob) and no old-logprob pass ran")
+        reverse_kl = (student - teacher) * batch.loss_mask
+        advantages = algo.teacher.reward_weight * advantages - algo.teacher.kl_coef * reverse_kl
+        extras["teacher_logprobs"] = teacher
+        metrics["train/opd_reverse_kl"] = float(reverse_kl.sum() / tokens)
+        metrics["train/teacher_logprob"] = float((teacher * batch.loss_mask).sum() / tokens)
     extras["advantages"], extras["returns"] = advantages, returns
     if values is not None:
         extras["old_values"] = values
-    tokens = batch.loss_mask.sum()
-    metrics = {"train/advantage_abs_mean": float((advantages.abs() * batch.loss_mask).sum() / tokens)}
+    metrics["train/advantage_abs_mean"] = float((advantages.abs() * batch.loss_mask).sum() / tokens)
     if "overlong_penalty" in extras:
         metrics["train/overlong_penalty"] = float(extras["overlong_penalty"].mean())
     if kl is not None:

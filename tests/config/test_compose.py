@@ -23,6 +23,7 @@ NEEDS = {
     ("algo", "*"): REAL_MODEL,
     ("data", "*"): REAL_MODEL,
     ("algo", "sft"): ("rollout.n_samples_per_prompt=1",),  # one response a row (rules.check_objective)
+    ("algo", "opd"): ("algo.teacher.path=/ckpt/teacher",),  # a path only read by pre-flight's file checks
     ("data", "jsonl"): ("data.path=/data/train.jsonl",),
     ("data", "countdown"): ("reward=task",),
     ("data", "sorting"): ("reward=task",),

@@ -61,6 +61,12 @@ INVALID = [
     (("recipes=tiny_sft_cpu", "rollout.over_sampling_batch_prompts=96"), "rollout.over_sampling_batch_prompts",
      "set rollout.over_sampling_batch_prompts=null"),
     (("recipes=tiny_sft_cpu", "debug.mode=rollout_only"), "debug.mode", "set debug.mode=none"),
+    # algo=opd: a teacher, and only there
+    (("algo=opd",), "algo.teacher.path", "set algo.teacher.path=<HF checkpoint dir> or a conf/model option"),
+    (("algo.teacher.path=tiny_teacher",), "algo.teacher", "set algo.objective=opd (algo=opd)"),
+    (("recipes=tiny_sft_cpu", "algo.teacher.kl_coef=0.5"), "algo.teacher", "objective=sft has no teacher"),
+    (("recipes=tiny_opd_cpu", "algo.teacher.reward_weight=1", "rollout.n_samples_per_prompt=1"),
+     "rollout.n_samples_per_prompt", "needs rollout.n_samples_per_prompt > 1"),
     # deterministic: nothing that timing decides
     (("deterministic=true", "mode=async"), "mode", "set mode=sync"),
     (("deterministic=true", "rollout.over_sampling_batch_prompts=64"), "rollout.over_sampling_batch_prompts",

@@ -79,3 +79,25 @@ def test_dapo_overlong_penalty_shapes_the_rewards():
     assert batch.extras["advantages"][:2, 0].tolist() == pytest.approx([a, -a], abs=1e-5)
     with pytest.raises(ValueError, match="max_response_tokens"):
         add_advantages(to_train_batch(_samples(), pad_id=0), algo, group_size=2, old_logprobs=None)
+
+
+def test_opd_advantage_is_minus_the_reverse_kl_to_the_teacher_plus_the_weighted_reward_advantage():
+    """A_t = reward_weight x GRPO's A_t - kl_coef x (student_t - teacher_t), the student being the engine's logprobs
+    (-0.5 on every token) when no old-logprob pass ran; the reverse KL's mean over the 6 trained tokens is reported."""
+    batch = to_train_batch(_samples(), pad_id=0)
+    teacher = torch.tensor([[-0.1, -9.0, -0.2], [-1.0, -9.0, -9.0], [-0.5, -0.3, -9.0], [-2.0, -9.0, -9.0]])
+    algo = AlgoConfig(name="opd", objective="opd")
+    algo.teacher.path, algo.teacher.kl_coef, algo.teacher.reward_weight = "tiny", 2.0, 0.5
+    metrics = add_advantages(batch, algo, group_size=2, old_logprobs=None, teacher=teacher)
+    a = 0.5 / (0.5 ** 0.5 + 1e-6)  # GRPO's, as in test_grpo_advantages_from_samples
+    grpo = torch.tensor([[a, 0, a], [-a, 0, 0], [0, 0, 0], [0, 0, 0]])
+    reverse_kl = (-0.5 - teacher) * batch.loss_mask  # [[-0.4, 0, -0.3], [0.5, 0, 0], [0, -0.2, 0], [1.5, 0, 0]]
+    torch.testing.assert_close(batch.extras["advantages"], 0.5 * grpo - 2.0 * reverse_kl, atol=1e-6, rtol=0)
+    assert metrics["train/opd_reverse_kl"] == pytest.approx((-0.4 - 0.3 + 0.5 - 0.2 + 1.5) / 6, abs=1e-6)
+    assert metrics["train/teacher_logprob"] == pytest.approx((-0.1 - 0.2 - 1.0 - 0.5 - 0.3 - 2.0) / 6, abs=1e-6)
+    assert batch.extras["teacher_logprobs"] is teacher
+    # with old logprobs (an extra pass ran), they are the student's: the same as the teacher's -> the KL term is 0
+    batch = to_train_batch(_samples(), pad_id=0)
+    algo.teacher.reward_weight = 0.0
+    metrics = add_advantages(batch, algo, group_size=2, old_logprobs=teacher.clone(), teacher=teacher)
+    assert metrics["train/opd_reverse_kl"] == 0.0 and float(batch.extras["advantages"].abs().max()) == 0.0

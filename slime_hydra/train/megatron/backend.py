@@ -34,7 +34,8 @@ entropy with all-reduces of max, sum-exp and the target logit over TP.
 
 Critic (role="critic"): the same trunk with ``spec.ValueHead`` as the output layer (HF's *ForTokenClassification
 ``score``, loaded from the checkpoint when present, else fresh), trained with ``train.critic_lr``; ``values`` and
-``logprobs`` return V(s_j) aligned like logprobs (column j: the state before response token j).
+``logprobs`` return V(s_j) aligned like logprobs (column j: the state before response token j). Teacher (algo=opd's,
+role="teacher"): converted the same way over the same layout, frozen in the compute dtype, no optimizer.
 
 Reference policy: this rank's initial parameter shards on the host, swapped in for ``policy="ref"``.
 
@@ -106,8 +107,8 @@ from slime_hydra.train.megatron.model import (Arch, build_model, init_parallel, 
 from slime_hydra.train.megatron.moe import MoE
 from slime_hydra.train.megatron.pipeline import Pipeline
 from slime_hydra.train.megatron.vocab_parallel import vocab_parallel_logprobs
-from slime_hydra.train.backend import (LossFn, StepMetrics, TrainBackend, allow_recompiles, compile_options,
-                                      export_dtype)
+from slime_hydra.train.backend import (LossFn, StepMetrics, TrainBackend, allow_recompiles,
+                                      compile_options, export_dtype, is_frozen)
 from slime_hydra.train.precision import ComputeCopy, compute_dtype
 from slime_hydra.train.optim import build_optimizer, clip_and_step, is_sharded
 
@@ -121,8 +122,7 @@ class MegatronBackend(TrainBackend):
 
         if not dist.is_initialized():
             raise RuntimeError("MegatronBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
-        if role not in ("actor", "critic"):
-            raise ValueError(f"role must be actor or critic, got {role!r}")
+        frozen = is_frozen(role)
         if train.gradient_checkpointing and not torch.cuda.is_available():
             raise ValueError("megatron's activation recompute saves CUDA RNG states: on CPU set "
                              "train.gradient_checkpointing=false")
@@ -188,9 +188,11 @@ class MegatronBackend(TrainBackend):
         self._tp_split = {p.megatron for p in table if p.kind != "replicated"}
         low = compute_dtype(train, self.device)
         self.lora = self._attach_lora(low) if lora else None
+        if frozen:  # in the compute dtype, as a LoRA base is: no master, gradient or optimizer state
+            self.model.requires_grad_(False).to(low)
         self.params = stage_parameters(self.model)
         shared = ("embedding.word_embeddings.weight" if self.first_stage else TIED_COPY.megatron)
-        self.gradients = Gradients(
+        self.gradients = None if frozen else Gradients(
             self.model, self.params, self._tp_split,
             tied_copy=TIED_COPY in table,  # this last stage holds a copy of the first stage's embedding
             shared=(self.params[shared] if train.pp > 1 and self.head == "lm" and self.arch.tie_word_embeddings
@@ -200,7 +202,7 @@ class MegatronBackend(TrainBackend):
             ep_group=self.ep_group, expert_dp_group=self.expert_dp_group)
         self.vocab_start = self.tp_rank * (self.arch.vocab_size // self.tp_size)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self._compute = ComputeCopy(self.model, low, trainable) if low != torch.float32 else None
+        self._compute = ComputeCopy(self.model, low, trainable) if low != torch.float32 and not frozen else None
         self.pipeline = Pipeline(self._stage, self._activation_shape, self.pp_group, self.device, self._compute)
         self.compiled = not batch_invariant and (train.compile if train.compile is not None
                                                  else self.device.type == "cuda")
@@ -217,12 +219,12 @@ class MegatronBackend(TrainBackend):
             self.model.output_layer.register_forward_hook(self._head_output)
         peak = train.critic_lr if role == "critic" else train.lr
         experts = [self.params[p.megatron] for p in table if p.expert is not None and p.megatron in self.params]
-        self.optimizer, self.scheduler = build_optimizer(  # ZeRO: experts over their expert-DP peers (ep > 1)
-            self.model.parameters(), train, total_steps, peak,
+        self.optimizer, self.scheduler = (None, None) if frozen else build_optimizer(
+            self.model.parameters(), train, total_steps, peak,  # ZeRO: experts over their expert-DP peers (ep > 1)
             shard_group=self.dp_cp_group if train.distributed_optimizer else None,
             part_groups=[(experts, self.expert_dp_group if train.distributed_optimizer else None)]
             if train.ep > 1 else None)
-        self.zero = is_sharded(self.optimizer)
+        self.zero = not frozen and is_sharded(self.optimizer)
         self.step = 0
         self._ref_shards = host_copy(self._reference_shards()) if keep_reference else None
 
