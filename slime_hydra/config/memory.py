@@ -248,7 +248,7 @@ def trainer_usage(cfg: SlimeConfig, d: Derived, role: str = "trainer rank") -> U
         act = tokens * per_token * layers * scale
     in_flight = min(t.pp, max(d.grad_accum_steps, 1)) if megatron else 1
     usage.parts["activations"] = act * in_flight
-    compiled = t.compile if t.compile is not None else on_gpu
+    compiled = t.compiles("cuda" if on_gpu else "cpu")
     usage.parts["logits"] = logits * m.vocab_size / tp * LOGIT_BYTES[bool(compiled and on_gpu)] * (1 if bf16 else 2)
     teacher = _teacher(cfg) if role == "trainer rank" else None
     if teacher is not None:

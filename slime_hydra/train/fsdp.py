@@ -121,8 +121,7 @@ class FSDPBackend(TrainBackend):
         model.to(self.device)
         # MoE actors: every forward can replay the engine's routing (batch.routed_experts, algo.routing_replay)
         self.replay = RoutingReplay(hf.model.layers) if role == "actor" and moe_routers(hf.model.layers) else None
-        self.compiled = not batch_invariant and (train.compile if train.compile is not None
-                                                 else self.device.type == "cuda")
+        self.compiled = not batch_invariant and train.compiles(self.device.type)
         head = packed_logprobs if self.packed else response_logprobs
         head = functools.partial(head, invariant=True) if batch_invariant else head
         if batch_invariant:  # and the engine's kernels under deterministic=true (model/invariant.engine_kernels)

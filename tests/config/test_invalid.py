@@ -61,6 +61,9 @@ INVALID = [
     (("recipes=tiny_sft_cpu", "rollout.over_sampling_batch_prompts=96"), "rollout.over_sampling_batch_prompts",
      "set rollout.over_sampling_batch_prompts=null"),
     (("recipes=tiny_sft_cpu", "debug.mode=rollout_only"), "debug.mode", "set debug.mode=none"),
+    # compiled layers under expert parallelism computed wrong gradients on an H200
+    (("model=tiny_moe", "train=megatron", "train.num_gpus=2", "train.ep=2", "train.micro_batch_samples=32",
+      "train.compile=true"), "train.compile", "set train.compile=null (eager under train.ep > 1)"),
     # algo=opd: a teacher, and only there
     (("algo=opd",), "algo.teacher.path", "set algo.teacher.path=<HF checkpoint dir> or a conf/model option"),
     (("algo.teacher.path=tiny_teacher",), "algo.teacher", "set algo.objective=opd (algo=opd)"),
@@ -319,3 +322,15 @@ def test_group_option_typo_fails_at_composition():
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+def test_layers_compile_on_cuda_by_default_but_not_under_expert_parallelism():
+    """train.compile=null: compiled on CUDA, eager on CPU and, since the compiled EP2 step's gradients were wrong on
+    an H200 (docs/benchmarks.md), eager under train.ep > 1; an explicit value is kept (EP > 1 refuses true)."""
+    from slime_hydra.train.config import TrainConfig
+
+    assert [TrainConfig(ep=ep).compiles(device) for ep in (1, 2) for device in ("cuda", "cpu")] == [
+        True, False, False, False]
+    assert TrainConfig(compile=True).compiles("cpu") and not TrainConfig(compile=False).compiles("cuda")
+    cfg, _ = load("model=tiny_moe", "train=megatron", "train.num_gpus=2", "train.ep=2", "train.micro_batch_samples=32")
+    assert cfg.train.compile is None

@@ -204,8 +204,7 @@ class MegatronBackend(TrainBackend):
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self._compute = ComputeCopy(self.model, low, trainable) if low != torch.float32 and not frozen else None
         self.pipeline = Pipeline(self._stage, self._activation_shape, self.pp_group, self.device, self._compute)
-        self.compiled = not batch_invariant and (train.compile if train.compile is not None
-                                                 else self.device.type == "cuda")
+        self.compiled = not batch_invariant and train.compiles(self.device.type)
         if self.compiled:  # each layer's forward; megatron's recompute (if on) calls it eagerly around the graph
             allow_recompiles(2 * len(self.model.decoder.layers) + 8)  # room for a guard on a per-layer attribute
             for layer in self.model.decoder.layers:
