@@ -36,8 +36,8 @@ from slime_hydra.train.kinds import TRAIN_BACKEND_KINDS
 
 
 
-MOVES = {"start_offload": None, "offload": sum, "onload": sum, "onload_fits": all}
-"""The colocated moves (train/offload.py) a rank's teacher makes with its actor: how the two results combine."""
+MOVES = ("start_offload", "offload", "onload", "onload_fits")
+"""The colocated moves (train/offload.py) a rank's teacher makes with its actor."""
 
 
 class TrainRank:
@@ -95,11 +95,12 @@ class TrainRank:
     def call(self, method: str, *args):
         """Run a backend method by name on this rank (save, load, export_hf: all collective); the colocated moves
         (``MOVES``) move the teacher too."""
-        result = getattr(self.backend, method)(*args)
-        if self.teacher is not None and method in MOVES:
-            combine, other = MOVES[method], getattr(self.teacher, method)(*args)
-            return combine((result, other)) if combine is not None else None
-        return result
+        if self.teacher is None or method not in MOVES:
+            return getattr(self.backend, method)(*args)
+        if method == "onload_fits":  # both come back at once
+            return self.backend.onload_fits(self.teacher.offloaded_bytes)
+        getattr(self.backend, method)(*args)
+        return getattr(self.teacher, method)(*args)  # offload / onload: the process's GPU bytes, after both moved
 
     def connect_rollout(self, method: str, manager, bucket_mb: int, run_dir: str, dtype: str, adapter: bool) -> None:
         """Set up weight sync to the rollout manager's engines (train/weight_sync.py)."""

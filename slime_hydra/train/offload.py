@@ -86,12 +86,18 @@ class Offloadable:
             self._offloaded_bytes = held - torch.cuda.memory_allocated()
         return float(torch.cuda.memory_allocated())
 
-    def onload_fits(self) -> bool:
+    def onload_fits(self, also: float = 0.0) -> bool:
         """Whether ``onload`` fits the device's free memory now, with ``ONLOAD_MARGIN`` to spare (then it may run while
-        colocated engines still release theirs: a release only adds free memory)."""
+        colocated engines still release theirs: a release only adds free memory). ``also``: bytes another backend of
+        this process brings back at the same time (on-policy distillation's teacher, train/group.py)."""
         if self.device.type != "cuda" or self._offloaded is None:
             return True
-        return torch.cuda.mem_get_info(self.device)[0] >= self._offloaded_bytes + ONLOAD_MARGIN
+        return torch.cuda.mem_get_info(self.device)[0] >= self._offloaded_bytes + also + ONLOAD_MARGIN
+
+    @property
+    def offloaded_bytes(self) -> float:
+        """The GPU bytes ``offload`` moved to the host and ``onload`` will bring back (0 while on the GPU)."""
+        return float(self._offloaded_bytes) if self._offloaded is not None else 0.0
 
     def peak_memory(self) -> float:
         """The most GPU memory torch allocated in this process since the last call (bytes; 0 on CPU)."""
