@@ -298,7 +298,7 @@ class Session:
         memory to whoever works next (a no-op otherwise)."""
         cfg, timer = self.cfg, StepTimer()
         self.timer = timer
-        sft = cfg.algo.objective == "sft"  # its batches are the data's: the engines work for the evals alone
+        sft = cfg.algo.from_data  # sft, dpo: its batches are the data's: the engines work for the evals alone
         self.turns.hand_to("trainer" if sft else "engines", timer)
         samples, metrics = self.rollout_phase(step, timer)                  # rollout -> rewards -> filter
         if self.trainer is not None:
@@ -382,8 +382,8 @@ class Session:
             values = self.critic.values(batch) if self.critic is not None else None
         with timer.phase("teacher" if algo.distills else "logprobs"):  # algo=opd: the teacher scores every token
             teacher = self.trainer.logprobs(batch, "teacher", temperature)[0] if algo.distills else None
-        prepared = {} if algo.objective == "sft" else add_advantages(  # sft: the data's tokens, no advantages
-            batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values, cfg.rollout.max_response_tokens, teacher)
+        prepared = add_advantages(batch, algo, cfg.rollout.n_samples_per_prompt, old, ref, values,  # (sft: none)
+                                  cfg.rollout.max_response_tokens, teacher)
         with timer.phase("train"):
             loss = actor_loss(algo, cfg.rollout.max_response_tokens)
             sums: dict[str, float] = {}

@@ -14,6 +14,7 @@ The algo options (``conf/algo/``) are named recipes of these fields:
 | ppo | gae | ppo_clip | critic (value head), gamma / lam |
 | sft | - | - | ``objective: sft``: the data's responses, mean NLL of their tokens (no sampling, no reward) |
 | opd | grpo | ppo_clip | ``objective: opd``: on-policy distillation, a teacher scores every sampled token |
+| dpo | - | - | ``objective: dpo``: the data's chosen and rejected responses, DPO's loss against the reference |
 """
 
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Iterator, Optional
 
 from slime_hydra.options import Problem, choice, non_negative, within
 
-OBJECTIVES = ("policy_gradient", "sft", "opd")
+OBJECTIVES = ("policy_gradient", "sft", "opd", "dpo")
 """algo.objective: what a step trains on and how (loop.Session.train_phase, train/objectives.py)."""
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 """algo.advantage_estimator: names ``algo/advantages.compute_advantages`` accepts."""
@@ -56,6 +57,18 @@ class TeacherConfig:
 
 
 @dataclass
+class DpoConfig:
+    """algo.objective=dpo: direct preference optimization (Rafailov et al. 2023) on the data's pairs. With
+    s(y) = log pi(y | x) - log pi_ref(y | x) (sums over the response's tokens, EOS included) and
+    z = beta (s(chosen) - s(rejected)), the loss of a pair is -log sigmoid(z) (train/prepare.dpo_weights)."""
+
+    beta: float = within(0.1, 0, low_open=True)
+    """DPO's beta: how far the implicit reward beta s(y) may take the policy from the reference."""
+    reference_free: bool = False
+    """s(y) = log pi(y | x): no reference model (pi_ref uniform), no reference copy kept."""
+
+
+@dataclass
 class AlgoConfig:
     name: str = "grpo"
     """The conf/algo option this came from (used in run names and logs)."""
@@ -64,7 +77,7 @@ class AlgoConfig:
     fine-tuning on the data's responses (data.response_key, or a built-in task's worked examples), loss = mean NLL
     of the response tokens with EOS (``loss_agg``); the engines serve the evals only. The RL fields below are
     refused when set (config/rules.py) | opd: on-policy distillation from ``teacher`` (the policy loss below, the
-    advantage of TeacherConfig)."""
+    advantage of TeacherConfig) | dpo: DPO on the data's chosen / rejected pairs (``dpo``; refusals as sft's)."""
     advantage_estimator: str = choice("grpo", ADVANTAGE_ESTIMATORS)
     """grpo | reinforce_pp | reinforce_pp_baseline | gae (PPO with a critic)."""
     policy_loss: str = choice("ppo_clip", POLICY_LOSSES)
@@ -122,11 +135,23 @@ class AlgoConfig:
     """Reward subtracted at the hard limit by the overlong punishment (linear from 0 over the buffer)."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """algo.objective=opd: the teacher and how its scores enter the advantage."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """algo.objective=dpo: beta and the reference."""
 
     @property
     def needs_reference(self) -> bool:
-        """A reference policy is kept only when a KL term uses it."""
-        return self.kl_loss_coef > 0 or self.kl_coef > 0
+        """A reference policy is kept only when a KL term or DPO's implicit reward uses it."""
+        return self.kl_loss_coef > 0 or self.kl_coef > 0 or (self.objective == "dpo" and not self.dpo.reference_free)
+
+    @property
+    def from_data(self) -> bool:
+        """sft and dpo train on the data's responses: nothing is sampled, the engines serve the evals only."""
+        return self.objective in ("sft", "dpo")
+
+    @property
+    def pairs(self) -> bool:
+        """dpo: each row is a chosen and a rejected response, two samples next to each other."""
+        return self.objective == "dpo"
 
     @property
     def needs_critic(self) -> bool:
@@ -144,6 +169,10 @@ class AlgoConfig:
             yield Problem((f"{prefix}teacher.path", f"{prefix}objective"), "on-policy distillation (objective=opd) "
                           "scores the student's samples with a teacher, and none is given",
                           f"set {prefix}teacher.path=<HF checkpoint dir> or a conf/model option (e.g. tiny_teacher)")
+        if self.objective != "dpo" and self.dpo != DpoConfig():
+            yield Problem((f"{prefix}dpo", f"{prefix}objective"), f"algo.dpo is set but objective={self.objective} "
+                          "does not train on preference pairs", f"set {prefix}objective=dpo (algo=dpo), or drop the "
+                          f"{prefix}dpo overrides")
         if not self.distills and self.teacher != TeacherConfig():
             yield Problem((f"{prefix}teacher", f"{prefix}objective"), f"algo.teacher is set but objective="
                           f"{self.objective} has no teacher", f"set {prefix}objective=opd (algo=opd), or drop the "

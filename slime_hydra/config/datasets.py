@@ -50,6 +50,7 @@ def check_datasets(cfg: SlimeConfig, notes: Optional[list[str]] = None,
                    first_rows: Optional[dict[str, tuple]] = None) -> Iterator[Problem]:
     """Problems of the dataset files that exist here; what the run will skip or drop goes to ``notes``, and the
     first well-formed row of each file to ``first_rows`` (key -> (prompt, label, metadata))."""
+    from slime_hydra.data.dataset import response_keys
     from slime_hydra.data.scan import scan_prompt_file
 
     present = [file for file in dataset_files(cfg) if Path(file[1]).is_file()]
@@ -58,10 +59,9 @@ def check_datasets(cfg: SlimeConfig, notes: Optional[list[str]] = None,
     tokenizer = _tokenizer(cfg)
     for key, path, row_start, row_end in present:
         try:
-            sft = cfg.algo.objective == "sft"  # every row needs its response (eval rows: the held-out loss)
+            keys = response_keys(cfg.data, 0 if cfg.algo.from_data else None, cfg.algo.pairs)  # every row's
             report = scan_prompt_file(path, cfg.data, tokenizer, row_start=row_start, row_end=row_end,
-                                      max_rows=MAX_ROWS, max_seconds=MAX_SECONDS,
-                                      response_key=cfg.data.response_key if sft else None)
+                                      max_rows=MAX_ROWS, max_seconds=MAX_SECONDS, response_keys=keys)
         except (OSError, ValueError) as error:
             yield Problem((key,), f"{path} cannot be read: {type(error).__name__}: {error}",
                           f"point {key} at a readable .jsonl or .parquet file")

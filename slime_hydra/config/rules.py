@@ -15,6 +15,7 @@ from slime_hydra.data.tasks import get_env
 from slime_hydra.reward.config import REWARD_NAMES
 from slime_hydra.config.derive import Derived, derive
 from slime_hydra.config.memory import memory_problems, plan_memory
+from slime_hydra.config.objectives import check_objective
 from slime_hydra.config.passthrough import check_passthrough
 from slime_hydra.config.plugins import check_plugins
 from slime_hydra.config.schema import SlimeConfig
@@ -267,43 +268,6 @@ def check_algo(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
                       "/generate bodies it forwards)", f"use rollout="
                       f"{next(k.name for k in ENGINE_KINDS.values() if k.routed_experts)}, or set "
                       "algo.routing_replay=false")
-
-
-POLICY_GRADIENT_ONLY = ("advantage_estimator", "policy_loss", "std_normalization", "normalize_advantages",
-                        "eps_clip", "eps_clip_high", "eps_clip_c", "kl_loss_coef", "kl_loss_type", "kl_coef",
-                        "entropy_coef", "gamma", "lam", "value_clip", "value_loss_coef", "tis_cap", "mis_cap",
-                        "routing_replay", "dynamic_filter", "overlong_buffer_tokens", "overlong_penalty")
-"""The algo fields only the policy-gradient step reads: algo.objective=sft refuses them set."""
-
-
-def check_objective(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:
-    """algo.objective=sft trains each data row's one response, in the data's order, one batch a step: what only
-    sampling uses (several samples a prompt, rollouts ahead, over-sampling, adaptive prompts, the debug modes of
-    saved rollouts, a sync schedule: the weights go to the engines before each eval) and the policy-gradient fields
-    would do nothing, so they are refused, by key."""
-    if cfg.algo.objective != "sft":
-        return
-    default, why = AlgoConfig(), "algo.objective=sft trains on the data's responses"
-    for name in POLICY_GRADIENT_ONLY:
-        if getattr(cfg.algo, name) != getattr(default, name):
-            yield Problem((f"algo.{name}", "algo.objective"), f"{why}: algo.{name}, a policy-gradient setting, "
-                          "would do nothing", f"leave algo.{name} at its default ({getattr(default, name)})")
-    r = cfg.rollout
-    for keys, setting, fix in (
-            ("rollout.n_samples_per_prompt", r.n_samples_per_prompt != 1, "set rollout.n_samples_per_prompt=1 (or "
-             "use recipes=tiny_sft_cpu)"),
-            ("mode", cfg.mode != "sync", "set mode=sync"),
-            ("rollout.over_sampling_batch_prompts", r.over_sampling_batch_prompts is not None,
-             "set rollout.over_sampling_batch_prompts=null"),
-            ("data.adaptive.enabled", cfg.data.adaptive.enabled, "set data.adaptive.enabled=false"),
-            ("rollout.temperature", r.temperature != 1.0, "set rollout.temperature=1.0 (the trainer would scale the "
-             "logits by it; the evals have their own)"),
-            ("debug.mode", cfg.debug.mode != "none", "set debug.mode=none"),
-            ("sync_every_steps", cfg.sync_every_steps != 1, "set sync_every_steps=1 (the engines get the weights "
-             "before each eval)")):
-        if setting:
-            yield Problem((keys, "algo.objective"), f"{why}, one response a row, none sampled: {keys} is for "
-                          "sampled rollouts", fix)
 
 
 def check_true_on_policy(cfg: SlimeConfig, d: Derived) -> Iterator[Problem]:

@@ -97,7 +97,9 @@ class DataConfig:
     tools_key: Optional[str] = None
     """Row key holding tool specs passed to the chat template; null for none."""
     response_key: str = "response"
-    """algo=sft: the row key holding the target response (a string; data/dataset.py)."""
+    """algo=sft: the row key holding the target response; algo=dpo: the chosen one (a string; data/dataset.py)."""
+    rejected_key: str = "rejected"
+    """algo=dpo: the row key holding the rejected response (a string)."""
     apply_chat_template: bool = True
     """Render prompts through the tokenizer's chat template (with the generation prompt)."""
     max_prompt_tokens: int = positive(1024)

@@ -8,7 +8,9 @@ What a row must hold (keys are configurable, ``DataConfig``):
     tools_key     (optional) a list of tool specs given to the chat template, or null for none
     response_key  (algo=sft only) the target response, a string: trained on as the tokens after the rendered
                   prompt, with the tokenizer's EOS appended (as an engine's answer ends); a built-in task's rows
-                  get their task's solution
+                  get their task's solution. algo=dpo: the chosen response
+    rejected_key  (algo=dpo only) the rejected response, tokenized the same way; a built-in task's rows get the
+                  solution of a wrong answer (``wrong_label``: the label off by 1-9)
 
 Rows are numbered from 0 in file order (JSONL: row k is line k + 1; blank lines are rows too, so numbers match
 the editor's) and ``row_start``/``row_end`` slice them before anything is parsed: a bad line outside the slice is
@@ -81,7 +83,10 @@ class PromptRecord:
     tools: Optional[list] = None
     """Tool specs given to the chat template (None unless data.tools_key is set)."""
     response_ids: Optional[list[int]] = None
-    """algo=sft: the target response's token ids, EOS last (None for a prompt to sample from)."""
+    """algo=sft: the target response's token ids, EOS last (None for a prompt to sample from); algo=dpo: the
+    chosen response's."""
+    rejected_ids: Optional[list[int]] = None
+    """algo=dpo: the rejected response's token ids, EOS last."""
 
     @property
     def num_tokens(self) -> int:
@@ -149,41 +154,63 @@ class _Row:
     label: Any
     metadata: dict
     tools: Optional[list]
-    response: Optional[str] = None
+    responses: tuple[str, ...] = ()
 
 
-def load_prompts(cfg: DataConfig, tokenizer, max_response_tokens: Optional[int] = None) -> PromptDataset:
+def response_keys(cfg: DataConfig, max_response_tokens: Optional[int], rejected: bool) -> tuple[str, ...]:
+    """The row keys of the responses each record carries: none for sampling, the response (algo=sft: a
+    ``max_response_tokens``), and the rejected one after it (algo=dpo: ``rejected``)."""
+    if max_response_tokens is None:
+        return ()
+    return (cfg.response_key, cfg.rejected_key) if rejected else (cfg.response_key,)
+
+
+def wrong_label(label: Any, row: int) -> str:
+    """A built-in task's rejected answer for algo=dpo: an integer label moved by 1-9 (never below 0), the offset
+    and its sign fixed by the row number, so a run's pairs are the same every time."""
+    try:
+        value = int(label)
+    except (TypeError, ValueError):
+        raise ValueError(f"algo=dpo makes a built-in task's rejected answers from integer labels; got {label!r}: "
+                         "use a file with data.response_key and data.rejected_key") from None
+    offset = 1 + (row * 7919) % 9
+    return str(value + offset if row % 2 or value < offset else value - offset)
+
+
+def load_prompts(cfg: DataConfig, tokenizer, max_response_tokens: Optional[int] = None,
+                 rejected: bool = False) -> PromptDataset:
     """The training prompts of ``cfg``: its file (``cfg.path``), or the built-in task's train split. With
     ``max_response_tokens`` (algo=sft) every record has its response too: the file's ``cfg.response_key``, or the
-    task's solution of each row (``task.solution``)."""
+    task's solution of each row (``task.solution``); with ``rejected`` (algo=dpo) also the rejected one
+    (``cfg.rejected_key``, or the solution of ``wrong_label``)."""
+    keys = response_keys(cfg, max_response_tokens, rejected)
     if cfg.path is not None:
         return load_prompt_file(
             cfg.path, tokenizer, prompt_key=cfg.prompt_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
             tools_key=cfg.tools_key, apply_chat_template=cfg.apply_chat_template,
             max_prompt_tokens=cfg.max_prompt_tokens, row_start=cfg.row_start, row_end=cfg.row_end,
-            on_bad_line=cfg.on_bad_line, max_row_bytes=cfg.max_row_bytes,
-            response_key=None if max_response_tokens is None else cfg.response_key,
+            on_bad_line=cfg.on_bad_line, max_row_bytes=cfg.max_row_bytes, response_keys=keys,
             max_response_tokens=max_response_tokens)
-    return _load_task(cfg, tokenizer, "train", cfg.row_start, cfg.row_end, max_response_tokens)
+    return _load_task(cfg, tokenizer, "train", cfg.row_start, cfg.row_end, max_response_tokens, keys)
 
 
 def load_eval_prompts(eval_cfg: EvalDataConfig, cfg: DataConfig, tokenizer,
-                      max_response_tokens: Optional[int] = None) -> PromptDataset:
+                      max_response_tokens: Optional[int] = None, rejected: bool = False) -> PromptDataset:
     """One eval dataset: its own file with the training keys, or the task's held-out split; first max_prompts rows.
-    ``max_response_tokens`` (algo=sft's held-out loss): with their responses, as ``load_prompts``."""
+    ``max_response_tokens`` (algo=sft's held-out loss), ``rejected``: with their responses, as ``load_prompts``."""
+    keys = response_keys(cfg, max_response_tokens, rejected)
     if eval_cfg.path is not None:
         return load_prompt_file(
             eval_cfg.path, tokenizer, prompt_key=cfg.prompt_key, label_key=cfg.label_key,
             metadata_key=cfg.metadata_key, tools_key=cfg.tools_key, apply_chat_template=cfg.apply_chat_template,
             max_prompt_tokens=cfg.max_prompt_tokens, row_start=0, row_end=eval_cfg.max_prompts,
-            on_bad_line=cfg.on_bad_line, max_row_bytes=cfg.max_row_bytes,
-            response_key=None if max_response_tokens is None else cfg.response_key,
+            on_bad_line=cfg.on_bad_line, max_row_bytes=cfg.max_row_bytes, response_keys=keys,
             max_response_tokens=max_response_tokens)
-    return _load_task(cfg, tokenizer, "eval", 0, eval_cfg.max_prompts, max_response_tokens)
+    return _load_task(cfg, tokenizer, "eval", 0, eval_cfg.max_prompts, max_response_tokens, keys)
 
 
 def _load_task(cfg: DataConfig, tokenizer, split: str, row_start: int, row_end: Optional[int],
-               max_response_tokens: Optional[int] = None) -> PromptDataset:
+               max_response_tokens: Optional[int] = None, keys: tuple[str, ...] = ()) -> PromptDataset:
     from slime_hydra.data.tasks import Environment, get_task
 
     if cfg.task is None:
@@ -193,13 +220,15 @@ def _load_task(cfg: DataConfig, tokenizer, split: str, row_start: int, row_end: 
         rows = task.rows(split, seed=cfg.seed, levels=task_levels(cfg, split))
     else:
         rows = task.rows(split, seed=cfg.seed)
-    sft = max_response_tokens is not None
-    if sft:  # each problem with its worked solution (what the task's own SFT rows hold)
+    if keys:  # each problem with its worked solution (what the task's own SFT rows hold), dpo: and a wrong one
         rows = [{**row, "response": task.solution(row["label"], row["metadata"])} for row in rows]
+    if len(keys) == 2:
+        rows = [{**row, "rejected": task.solution(wrong_label(row["label"], i), row["metadata"])}
+                for i, row in enumerate(rows)]
     return load_prompt_rows(
         rows, tokenizer, source=f"task:{cfg.task}/{split}", metadata_key="metadata",
         apply_chat_template=cfg.apply_chat_template, max_prompt_tokens=cfg.max_prompt_tokens,
-        row_start=row_start, row_end=row_end, on_bad_line="error", response_key="response" if sft else None,
+        row_start=row_start, row_end=row_end, on_bad_line="error", response_keys=("response", "rejected")[:len(keys)],
         max_response_tokens=max_response_tokens)
 
 
@@ -229,7 +258,7 @@ def load_prompt_file(path: str, tokenizer, *, prompt_key: str = "prompt", label_
                      metadata_key: Optional[str] = None, tools_key: Optional[str] = None,
                      apply_chat_template: bool = True, max_prompt_tokens: Optional[int] = None, row_start: int = 0,
                      row_end: Optional[int] = None, on_bad_line: str = "error",
-                     max_row_bytes: int = 1 << 20, response_key: Optional[str] = None,
+                     max_row_bytes: int = 1 << 20, response_keys: tuple[str, ...] = (),
                      max_response_tokens: Optional[int] = None) -> PromptDataset:
     """Load a .jsonl or .parquet prompt file (see the module docstring for row rules and counting).
 
@@ -245,19 +274,19 @@ def load_prompt_file(path: str, tokenizer, *, prompt_key: str = "prompt", label_
     else:
         raise ValueError(f"{path}: unsupported prompt file type {suffix!r}; use .jsonl or .parquet")
     return _build(raw, tokenizer, str(path), unit, prompt_key, label_key, metadata_key, tools_key,
-                  apply_chat_template, max_prompt_tokens, on_bad_line, response_key, max_response_tokens)
+                  apply_chat_template, max_prompt_tokens, on_bad_line, response_keys, max_response_tokens)
 
 
 def load_prompt_rows(rows: list[dict], tokenizer, *, source: str = "rows", prompt_key: str = "prompt",
                      label_key: str = "label", metadata_key: Optional[str] = None, tools_key: Optional[str] = None,
                      apply_chat_template: bool = True, max_prompt_tokens: Optional[int] = None, row_start: int = 0,
-                     row_end: Optional[int] = None, on_bad_line: str = "error", response_key: Optional[str] = None,
+                     row_end: Optional[int] = None, on_bad_line: str = "error", response_keys: tuple[str, ...] = (),
                      max_response_tokens: Optional[int] = None) -> PromptDataset:
     """Same as ``load_prompt_file`` for rows already in memory (built-in tasks); errors name ``source`` and row + 1."""
     _check_slice(row_start, row_end)
     raw = ((i, row, None) for i, row in enumerate(rows[row_start:row_end], start=row_start))
     return _build(raw, tokenizer, source, "row", prompt_key, label_key, metadata_key, tools_key,
-                  apply_chat_template, max_prompt_tokens, on_bad_line, response_key, max_response_tokens)
+                  apply_chat_template, max_prompt_tokens, on_bad_line, response_keys, max_response_tokens)
 
 
 def _check_slice(row_start: int, row_end: Optional[int]) -> None:
@@ -394,7 +423,7 @@ def render_row(prompt: Any, tools: Optional[list], tokenizer, apply_chat_templat
 
 def _build(raw: Iterator[tuple[int, Any, Optional[tuple]]], tokenizer, source: str, unit: str, prompt_key: str,
            label_key: str, metadata_key: Optional[str], tools_key: Optional[str], apply_chat_template: bool,
-           max_prompt_tokens: Optional[int], on_bad_line: str, response_key: Optional[str] = None,
+           max_prompt_tokens: Optional[int], on_bad_line: str, response_keys: tuple[str, ...] = (),
            max_response_tokens: Optional[int] = None) -> PromptDataset:
     if on_bad_line not in ON_BAD_LINE:
         raise ValueError(f"data.on_bad_line={on_bad_line!r}; choose one of {', '.join(ON_BAD_LINE)}")
@@ -407,8 +436,8 @@ def _build(raw: Iterator[tuple[int, Any, Optional[tuple]]], tokenizer, source: s
                 raise RowProblem(*problem)
             prompt, label, metadata, tools = parse_row(value, prompt_key, label_key, metadata_key, tools_key,
                                                     apply_chat_template)
-            response = None if response_key is None else parse_response(value, response_key)
-            parsed.append((_Row(row, prompt, label, metadata, tools, response),
+            responses = tuple(parse_response(value, key) for key in response_keys)
+            parsed.append((_Row(row, prompt, label, metadata, tools, responses),
                            render_row(prompt, tools, tokenizer, apply_chat_template)))
         except RowProblem as bad:
             error = BadLineError(source, row + 1, bad.reason, bad.detail, unit)
@@ -423,20 +452,21 @@ def _build(raw: Iterator[tuple[int, Any, Optional[tuple]]], tokenizer, source: s
     for start, stop in _chunks([text for _, text in parsed]):
         chunk = parsed[start:stop]
         ids = tokenizer([text for _, text in chunk], add_special_tokens=add_special_tokens)["input_ids"]
-        answers = [None] * len(chunk)
-        if response_key is not None:  # the response's tokens as an engine's answer ends: with EOS
-            answers = [a + [tokenizer.eos_token_id] for a in
-                       tokenizer([r.response for r, _ in chunk], add_special_tokens=False)["input_ids"]]
+        answers = [[] for _ in chunk]  # per row, each response's tokens as an engine's answer ends: with EOS
+        for k in range(len(response_keys)):
+            encoded = tokenizer([r.responses[k] for r, _ in chunk], add_special_tokens=False)["input_ids"]
+            for answer, a in zip(answers, encoded):
+                answer.append(a + [tokenizer.eos_token_id])
         for (r, text), token_ids, answer in zip(chunk, ids, answers):
             stats.longest_prompt_tokens = max(stats.longest_prompt_tokens, len(token_ids))
             if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
                 stats.too_long += 1
                 continue
-            if answer is not None and max_response_tokens is not None and len(answer) > max_response_tokens:
+            if max_response_tokens is not None and any(len(a) > max_response_tokens for a in answer):
                 stats.response_too_long += 1
                 continue
             records.append(PromptRecord(r.row, r.prompt, text, list(token_ids), r.label, r.metadata, r.tools,
-                                        answer))
+                                        *answer))
     stats.kept = len(records)
     if not records:
         raise ValueError(f"no prompts left: {stats.summary()}"

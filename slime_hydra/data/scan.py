@@ -44,11 +44,11 @@ class ScanReport:
 def scan_prompt_file(path: str, cfg: DataConfig, tokenizer=None, *, row_start: int = 0,
                      row_end: Optional[int] = None, max_rows: Optional[int] = None,
                      max_seconds: Optional[float] = None, examples: int = 10,
-                     response_key: Optional[str] = None) -> ScanReport:
+                     response_keys: tuple[str, ...] = ()) -> ScanReport:
     """Read rows [row_start, row_end) of ``path`` as a run would (the same row rules and ``cfg.max_row_bytes`` as
     ``load_prompt_file``, every malformed row collected rather than the first raised) and, with a tokenizer, count
-    the prompts longer than cfg.max_prompt_tokens. ``response_key`` (algo=sft): a row without a string response
-    there is malformed too. Stops after ``max_rows`` rows or ``max_seconds`` (``complete`` says whether it reached
+    the prompts longer than cfg.max_prompt_tokens. ``response_keys`` (algo=sft, dpo): a row without a string response
+    under each is malformed too. Stops after ``max_rows`` rows or ``max_seconds`` (``complete`` says whether it reached
     the end of the slice); memory stays bounded by the row cap and the tokenizer's chunks."""
     start = time.monotonic()
     suffix = Path(path).suffix.lower()
@@ -76,8 +76,8 @@ def scan_prompt_file(path: str, cfg: DataConfig, tokenizer=None, *, row_start: i
                 raise RowProblem(*problem)
             prompt, label, metadata, tools = parse_row(value, cfg.prompt_key, cfg.label_key, cfg.metadata_key,
                                                     cfg.tools_key, cfg.apply_chat_template)
-            if response_key is not None:
-                parse_response(value, response_key)
+            for key in response_keys:
+                parse_response(value, key)
             if report.first is None:
                 report.first = (prompt, label, metadata)
             if tokenizer is not None:

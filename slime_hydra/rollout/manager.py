@@ -122,8 +122,9 @@ class RolloutManager:
             self.source = AdaptiveSampler(cfg.data.adaptive, cfg.data.task, cfg.data.seed, self._records)
             print(f"rollout: prompts generated at adaptive levels {self.source.state_dict()['levels']}", flush=True)
         else:
-            sft = cfg.algo.objective == "sft"  # its rows come with their responses (rollout/sft.py)
-            dataset = load_prompts(cfg.data, self.tokenizer, cfg.rollout.max_response_tokens if sft else None)
+            data = cfg.algo.from_data  # sft, dpo: its rows come with their responses (rollout/sft.py)
+            dataset = load_prompts(cfg.data, self.tokenizer, cfg.rollout.max_response_tokens if data else None,
+                                   cfg.algo.pairs)
             print(f"rollout: {dataset.stats.summary()}", flush=True)
             self.source = PromptSource(dataset.records, cfg.rollout.batch_prompts, shuffle=cfg.data.shuffle,
                                        seed=cfg.data.seed)
@@ -272,7 +273,7 @@ class RolloutManager:
 
     async def _generate_batch(self) -> dict:
         self.pool.raise_if_failed()
-        if self.cfg.algo.objective == "sft":  # the data's responses: nothing to sample
+        if self.cfg.algo.from_data:  # sft, dpo: the data's responses, nothing to sample
             return sft_batch(self.source.take(self.rollout.batch_prompts), self.batches_made or 0)
         start, serving = time.monotonic(), self.pool.in_service
         batch_prompts = self.rollout.batch_prompts

@@ -1,4 +1,4 @@
-"""algo.objective=sft: a step's batch is the data's next rows with their responses, no engine involved.
+"""algo.objective=sft, dpo: a step's batch is the data's next rows with their responses, no engine involved.
 
     batch = sft_batch(source.take(batch_prompts), step)    # RolloutManager.generate_batch, in place of sampling
 
@@ -6,7 +6,8 @@ Each record (data/dataset.py, loaded with its response: ``load_prompts(..., max_
 sample: the rendered prompt's tokens then the response's (EOS last), every response token trained (loss_mask 1),
 reward 0, complete, weight version ``step`` (the policy that trains on it: nothing of it was sampled). The prompt
 source's cursor is the manager's, checkpointed with it, so a resumed run trains on the rows the uninterrupted one
-would have.
+would have. algo=dpo: each record becomes two samples of one group, its chosen response (reward 1) then its rejected
+one (reward 0), which train/prepare.dpo_weights reads as the pair.
 """
 
 import statistics
@@ -22,10 +23,12 @@ def sft_batch(records: list[PromptRecord], step: int) -> dict:
     for i, r in enumerate(records):
         if r.response_ids is None:
             raise ValueError(f"row {r.row} was loaded without a response (load_prompts needs max_response_tokens)")
-        n = len(r.response_ids)
-        samples.append(Sample(index=i, group_index=i, prompt=r.prompt, label=r.label, metadata=dict(r.metadata),
-                              tokens=r.token_ids + r.response_ids, response_length=n, loss_mask=[1] * n, reward=0.0,
-                              weight_version=step, status=Status.COMPLETED))
+        pair = [(r.response_ids, 1.0), (r.rejected_ids, 0.0)] if r.rejected_ids is not None else [(r.response_ids, 0.0)]
+        for response, reward in pair:
+            n = len(response)
+            samples.append(Sample(index=len(samples), group_index=i, prompt=r.prompt, label=r.label,
+                                  metadata=dict(r.metadata), tokens=r.token_ids + response, response_length=n,
+                                  loss_mask=[1] * n, reward=reward, weight_version=step, status=Status.COMPLETED))
     lengths = [s.response_length for s in samples]
     metrics = {"rollout/tokens": float(sum(lengths)), "rollout/response_len/mean": statistics.fmean(lengths),
                "rollout/response_len/max": float(max(lengths))}

@@ -10,6 +10,7 @@ micro-batch's extras (response-aligned [B, T]):
                 logprobs would be recomputed) the forward's own detached logprobs are used, which equal them.
     CriticLoss: old_values, returns
     SftLoss:    nothing (algo.objective=sft: the mean NLL of the response tokens under the loss mask, ``loss_agg``)
+    DpoLoss:    advantages (algo.objective=dpo: train/prepare.dpo_weights' per-row constants)
 
 ``actor_loss(algo, max_response_tokens)`` is the policy's loss of the run's objective.
 """
@@ -63,6 +64,20 @@ class SftLoss:
         return sft_loss(logp, mb.loss_mask, loss_agg=self.algo.loss_agg, max_response_tokens=self.max_response_tokens)
 
 
-def actor_loss(algo: AlgoConfig, max_response_tokens: int) -> ActorLoss | SftLoss:
-    """The policy's loss for algo.objective: policy_gradient -> ActorLoss, sft -> SftLoss."""
-    return (SftLoss if algo.objective == "sft" else ActorLoss)(algo, max_response_tokens)
+@dataclass(frozen=True)
+class DpoLoss:
+    """algo=dpo: -w log pi(y) summed over each row's response, w = +-beta sigmoid(-z) of its pair
+    (train/prepare.dpo_weights): its gradient at the batch's parameters is DPO's. Returned per row, x 2, so that
+    loss_agg=seq_mean_token_sum (a mean over the batch's rows) makes the mean over pairs; train/dpo_loss itself
+    is the prepare step's."""
+    algo: AlgoConfig
+    max_response_tokens: int
+
+    def __call__(self, logp: torch.Tensor, _entropy, mb: TrainBatch):
+        per_row = -(mb.extras["advantages"] * logp * mb.loss_mask).sum(-1)
+        return 2 * per_row.mean(), {}
+
+
+def actor_loss(algo: AlgoConfig, max_response_tokens: int) -> ActorLoss | SftLoss | DpoLoss:
+    """The policy's loss for algo.objective: policy_gradient and opd -> ActorLoss, sft -> SftLoss, dpo -> DpoLoss."""
+    return {"sft": SftLoss, "dpo": DpoLoss}.get(algo.objective, ActorLoss)(algo, max_response_tokens)

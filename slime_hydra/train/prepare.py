@@ -3,6 +3,7 @@
     batch = to_train_batch(samples, pad_id, reward_key)        # rewards [B], rollout logprobs [B, T]
     metrics = add_advantages(batch, algo, group_size, old, ref, values, teacher=teacher)  # advantages, returns [B, T]
     metrics = held_out_losses(trainer, {name: samples}, pad_id)    # algo=sft's eval/<name>/sft_loss
+    metrics = dpo_weights(batch, beta, policy, ref)                 # algo=dpo (add_advantages calls it)
 
 Samples arrive group-contiguous (the group_size samples of one prompt next to each other), as the buffer hands
 them out; GRPO-style baselines rely on that order.
@@ -60,7 +61,12 @@ def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_log
     TeacherConfig), the student's logprobs being old_logprobs when given, else the engine's (rollout_logprobs);
     metrics ``train/opd_reverse_kl`` (the mean of student - teacher over the trained tokens: a one-sample estimate
     of KL(student || teacher) per token, in nats) and ``train/teacher_logprob`` (the teacher's mean logprob there).
+    algo=sft: nothing (the data's tokens are the target); algo=dpo: ``dpo_weights`` of the old (current) logprobs.
     """
+    if algo.objective == "sft":
+        return {}
+    if algo.pairs:
+        return dpo_weights(batch, algo.dpo.beta, old_logprobs, ref_logprobs)
     extras = batch.extras
     if algo.overlong_buffer_tokens > 0:
         if max_response_tokens is None:
@@ -106,15 +112,40 @@ def add_advantages(batch: TrainBatch, algo: AlgoConfig, group_size: int, old_log
     return metrics
 
 
+def dpo_weights(batch: TrainBatch, beta: float, policy: torch.Tensor, ref: Optional[torch.Tensor]) -> dict[str, float]:
+    """algo=dpo: the per-row weights whose policy-gradient step is DPO's step, and DPO's metrics.
+
+    Rows come in pairs (2i: chosen, reward 1; 2i+1: rejected, reward 0; rollout/sft.py). With s = sum over the
+    response of (policy - ref) logprobs (ref None: reference-free, 0) and z = beta (s_chosen - s_rejected), the
+    loss of a pair is -log sigmoid(z), whose gradient is -beta sigmoid(-z) (grad log pi(chosen) - grad log
+    pi(rejected)). So each row gets the constant w = +-beta sigmoid(-z) on its response tokens
+    (extras["advantages"]) and ``train/objectives.DpoLoss`` minimises -w log pi(y) summed over the row: at the
+    parameters ``policy`` was computed with (one optimizer step per batch, no dropout) its gradient is DPO's,
+    exactly, whatever rows the data-parallel ranks and micro-batches split the pairs into. Metrics (TRL's):
+    train/dpo_loss, train/dpo_accuracy (the share of pairs with z > 0), train/dpo_margin (mean z),
+    train/dpo_chosen_reward and train/dpo_rejected_reward (mean beta s)."""
+    rewards, mask = batch.extras["rewards"], batch.loss_mask
+    if batch.size % 2 or not (torch.all(rewards[0::2] == 1) and torch.all(rewards[1::2] == 0)):
+        raise ValueError("algo=dpo needs the batch as pairs: chosen (reward 1) then rejected (reward 0)")
+    s = (policy * mask).sum(-1) - ((ref * mask).sum(-1) if ref is not None else 0.0)
+    chosen, rejected = beta * s[0::2], beta * s[1::2]
+    z = chosen - rejected
+    w = beta * torch.sigmoid(-z)
+    batch.extras["advantages"] = torch.stack([w, -w], 1).reshape(-1, 1) * mask
+    return {"train/dpo_loss": float(-torch.nn.functional.logsigmoid(z).mean()),
+            "train/dpo_accuracy": float((z > 0).float().mean()), "train/dpo_margin": float(z.mean()),
+            "train/dpo_chosen_reward": float(chosen.mean()), "train/dpo_rejected_reward": float(rejected.mean())}
+
+
 def needs_old_logprobs(algo: AlgoConfig, optimizer_steps_per_rollout: int) -> bool:
     """Whether old logprobs need their own forward pass before training.
 
     With one optimizer step per rollout batch, every micro-batch is trained by the policy that generated the
     advantages' batch, so old logprobs equal the training forward's (detached) and the extra pass is skipped
     (ratio = 1 exactly, ppo_kl = 0). KL reward shaping (kl_coef) needs them before the advantages. algo=sft's loss
-    reads none.
+    reads none; algo=dpo's weights are made of them (the current policy's).
     """
-    return algo.objective == "policy_gradient" and (optimizer_steps_per_rollout > 1 or algo.kl_coef > 0)
+    return algo.pairs or (not algo.from_data and (optimizer_steps_per_rollout > 1 or algo.kl_coef > 0))
 
 
 def held_out_losses(trainer, held_out: dict[str, list[dict]], pad_id: int) -> dict[str, float]:

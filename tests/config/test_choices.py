@@ -36,7 +36,7 @@ def test_every_string_option_with_fixed_values_declares_them():
     import dataclasses
 
     free = {"name", "path", "target", "url", "reward_key", "prompt_key", "label_key", "metadata_key", "tools_key",
-            "response_key", "generate", "dynamic_filter", "rollout_path", "resume", "output_dir", "run_name",
+            "response_key", "rejected_key", "generate", "dynamic_filter", "rollout_path", "resume", "output_dir", "run_name",
             "partition", "account", "qos", "constraint", "job_body", "wandb_project", "wandb_entity", "wandb_group"}
     missing = []
     for group in dataclasses.fields(SlimeConfig):

@@ -23,7 +23,8 @@ NEEDS = {
     ("algo", "*"): REAL_MODEL,
     ("data", "*"): REAL_MODEL,
     ("algo", "sft"): ("rollout.n_samples_per_prompt=1",),  # one response a row (rules.check_objective)
-    ("algo", "opd"): ("algo.teacher.path=/ckpt/teacher",),  # a path only read by pre-flight's file checks
+    ("algo", "opd"): ("algo.teacher.path=/ckpt/teacher",),
+    ("algo", "dpo"): ("rollout.n_samples_per_prompt=2",),  # a chosen and a rejected response a row  # a path only read by pre-flight's file checks
     ("data", "jsonl"): ("data.path=/data/train.jsonl",),
     ("data", "countdown"): ("reward=task",),
     ("data", "sorting"): ("reward=task",),

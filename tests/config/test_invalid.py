@@ -64,6 +64,14 @@ INVALID = [
     # compiled layers under expert parallelism computed wrong gradients on an H200
     (("model=tiny_moe", "train=megatron", "train.num_gpus=2", "train.ep=2", "train.micro_batch_samples=32",
       "train.compile=true"), "train.compile", "set train.compile=null (eager under train.ep > 1)"),
+    # algo=dpo: the data's pairs
+    (("algo=dpo",), "rollout.n_samples_per_prompt", "set rollout.n_samples_per_prompt=2"),
+    (("recipes=tiny_dpo_cpu", "algo.loss_agg=token_mean"), "algo.loss_agg", "set algo.loss_agg=seq_mean_token_sum"),
+    (("recipes=tiny_dpo_cpu", "train.optimizer_steps_per_rollout=2"), "train.optimizer_steps_per_rollout",
+     "one optimizer step a batch"),
+    (("recipes=tiny_dpo_cpu", "algo.kl_loss_coef=0.01"), "algo.kl_loss_coef", "leave algo.kl_loss_coef at its"),
+    (("algo.dpo.beta=0.5",), "algo.dpo", "set algo.objective=dpo (algo=dpo)"),
+    (("recipes=tiny_dpo_cpu", "algo.dpo.beta=0"), "algo.dpo.beta", "must be positive"),
     # algo=opd: a teacher, and only there
     (("algo=opd",), "algo.teacher.path", "set algo.teacher.path=<HF checkpoint dir> or a conf/model option"),
     (("algo.teacher.path=tiny_teacher",), "algo.teacher", "set algo.objective=opd (algo=opd)"),

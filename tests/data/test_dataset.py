@@ -191,7 +191,7 @@ def test_sft_rows_carry_their_response_tokens_and_eos(tmp_path, tok):
     max_response_tokens drops its row (counted); a row without a string response is a bad line naming the key."""
     rows = [{"prompt": "1+2=", "label": "3", "response": "3"}, {"prompt": "10+20=", "label": "30", "response": "30"},
             {"prompt": "7+8=", "label": "15", "response": "15 and some more"}]
-    ds = load_prompt_file(write_jsonl(tmp_path / "s.jsonl", rows), tok, response_key="response",
+    ds = load_prompt_file(write_jsonl(tmp_path / "s.jsonl", rows), tok, response_keys=("response",),
                           max_response_tokens=4)
     assert [r.response_ids for r in ds.records] == [tok.encode("3", add_special_tokens=False) + [tok.eos_token_id],
                                                     tok.encode("30", add_special_tokens=False) + [tok.eos_token_id]]
@@ -201,8 +201,8 @@ def test_sft_rows_carry_their_response_tokens_and_eos(tmp_path, tok):
     bad = write_jsonl(tmp_path / "b.jsonl", [rows[0], {"prompt": "1+1=", "label": "2"},
                                              {"prompt": "2+2=", "label": "4", "response": 4}])
     with pytest.raises(BadLineError, match=r"b.jsonl, line 2: missing response key 'response'"):
-        load_prompt_file(bad, tok, response_key="response")
-    skipped = load_prompt_file(bad, tok, response_key="response", on_bad_line="skip")
+        load_prompt_file(bad, tok, response_keys=("response",))
+    skipped = load_prompt_file(bad, tok, response_keys=("response",), on_bad_line="skip")
     assert skipped.stats.skipped == {"missing_key": 1, "wrong_type": 1} and skipped.stats.kept == 1
 
 

@@ -101,3 +101,30 @@ def test_opd_advantage_is_minus_the_reverse_kl_to_the_teacher_plus_the_weighted_
     algo.teacher.reward_weight = 0.0
     metrics = add_advantages(batch, algo, group_size=2, old_logprobs=teacher.clone(), teacher=teacher)
     assert metrics["train/opd_reverse_kl"] == 0.0 and float(batch.extras["advantages"].abs().max()) == 0.0
+
+
+def test_dpo_weights_are_beta_sigmoid_minus_z_on_each_pairs_rows():
+    """Two pairs (rows 0/1 and 2/3, chosen then rejected): s = summed (policy - ref) logprobs over the trained
+    tokens, z = beta (s_chosen - s_rejected); each row's tokens get +-beta sigmoid(-z); TRL's metrics by hand."""
+    rows = [([5, 6, 7, 8, 9], 3, [1, 0, 1], 1.0), ([5, 6, 7], 1, [1], 0.0),
+            ([4, 4, 1, 2], 2, [1, 1], 1.0), ([4, 4, 3], 1, [1], 0.0)]
+    batch = to_train_batch([Sample(index=i, group_index=i // 2, tokens=t, response_length=r, loss_mask=m, reward=rw)
+                            for i, (t, r, m, rw) in enumerate(rows)], pad_id=0)
+    policy = torch.tensor([[-1.0, -5.0, -2.0], [-4.0, 0, 0], [-1.0, -1.0, 0], [-0.5, 0, 0]])
+    ref = torch.tensor([[-2.0, -9.0, -2.0], [-3.0, 0, 0], [-1.0, -1.5, 0], [-0.5, 0, 0]])
+    algo = AlgoConfig(name="dpo", objective="dpo", loss_agg="seq_mean_token_sum")
+    algo.dpo.beta = 0.5
+    metrics = add_advantages(batch, algo, group_size=2, old_logprobs=policy, ref_logprobs=ref)
+    # s per row: [1.0, -1.0, 0.5, 0.0] (row 0: (-1 + -2) - (-2 + -2), the masked -5 / -9 left out)
+    z = 0.5 * torch.tensor([1.0 - -1.0, 0.5 - 0.0])  # [1.0, 0.25]
+    w = 0.5 * torch.sigmoid(-z)
+    expected = torch.stack([w[0] * batch.loss_mask[0], -w[0] * batch.loss_mask[1], w[1] * batch.loss_mask[2],
+                            -w[1] * batch.loss_mask[3]])
+    torch.testing.assert_close(batch.extras["advantages"], expected, atol=1e-6, rtol=0)
+    assert metrics["train/dpo_loss"] == pytest.approx(float(-torch.nn.functional.logsigmoid(z).mean()), abs=1e-6)
+    assert metrics["train/dpo_accuracy"] == 1.0 and metrics["train/dpo_margin"] == pytest.approx(0.625, abs=1e-6)
+    assert metrics["train/dpo_chosen_reward"] == pytest.approx(0.5 * (1.0 + 0.5) / 2, abs=1e-6)
+    assert metrics["train/dpo_rejected_reward"] == pytest.approx(0.5 * (-1.0 + 0.0) / 2, abs=1e-6)
+    batch.extras["rewards"] = torch.tensor([0.0, 1.0, 1.0, 0.0])  # a pair in the wrong order is refused
+    with pytest.raises(ValueError, match="chosen .reward 1. then rejected"):
+        add_advantages(batch, algo, group_size=2, old_logprobs=policy, ref_logprobs=ref)
