@@ -64,7 +64,8 @@ def test_teacher_and_student_checkpoints_of_different_eos_are_refused(tmp_path):
 
 
 def test_built_teacher_and_student_of_different_tokenizer_kinds_are_refused():
-    only(preflight(*OPD, "algo.teacher.path=small"), "algo.teacher.path", "the teacher builds a bpe tokenizer")
+    text = only(preflight(*OPD, "algo.teacher.path=small"), "algo.teacher.path", "the teacher builds a bpe tokenizer")
+    assert "the student a char one" in text
 
 
 def test_megatron_refuses_a_teacher_it_cannot_split_as_the_student(tmp_path):
